@@ -1,0 +1,5 @@
+import sys
+
+from cpgbroker.cli import main
+
+sys.exit(main())

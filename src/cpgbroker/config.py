@@ -1,0 +1,150 @@
+"""Loading ``cpgbroker.toml``: the broker model's settings plus this process's own (listeners,
+logging, cluster membership). See ``configs/cpgbroker.toml`` for every key, commented."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from cpgbroker.errors import ConfigError
+from cpgbroker.model.config import BrokerConfig, User
+
+
+@attrs.frozen
+class ClusterConfig:
+    # CPG group name: members of one cluster share it; at most 127 bytes (CPG_MAX_NAME_LENGTH).
+    group: str
+    # Members expected before serving clients.
+    size: int
+    # The AMQP URL clients use to reach this member (announced to clients for failover).
+    url: str = ""
+    event_log: str = ""
+
+
+@attrs.frozen
+class ServerConfig:
+    listen: tuple[str, ...] = ("127.0.0.1:5672",)
+    log_level: str = "info"
+    log_format: str = "logfmt"
+    # Seconds a SIGTERM/SIGINT shutdown waits for clients to take their connection.close.
+    shutdown_grace: float = 5.0
+    # Cluster time resolution: TTL, x-expires and heartbeats act on ticks this far apart.
+    tick_ms: int = 100
+    broker: BrokerConfig = BrokerConfig()
+    cluster: ClusterConfig | None = None
+
+
+def parse_listen(addr: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6]:PORT`` -> (host, port)."""
+    addr = addr.strip()
+    if addr.startswith("["):
+        host, sep, port = addr[1:].partition("]:")
+    else:
+        host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ConfigError(f"listen address {addr!r} is not HOST:PORT")
+    p = int(port)
+    if not 0 <= p <= 65535:
+        raise ConfigError(f"listen port {p} out of range")
+    return host, p
+
+
+def load(path: str | None, listen: str | None = None) -> ServerConfig:
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    return from_dict(data, listen)
+
+
+def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
+    known = {"server", "limits", "users", "vhosts", "cluster", "log"}
+    unknown = sorted(k for k in data if k not in known)
+    if unknown:
+        raise ConfigError(f"unknown config section(s): {', '.join(unknown)}")
+    server = dict(data.get("server", {}))
+    limits = dict(data.get("limits", {}))
+    log = dict(data.get("log", {}))
+    listeners = server.pop("listen", ["127.0.0.1:5672"])
+    if isinstance(listeners, str):
+        listeners = [listeners]
+    if listen is not None:
+        listeners = [listen]
+    for addr in listeners:
+        parse_listen(addr)
+    vhosts = tuple(data.get("vhosts", ["/"]))
+    users_raw = data.get("users")
+    if users_raw is None:
+        users: tuple[User, ...] = BrokerConfig().users
+    else:
+        users = tuple(
+            User(
+                name=_req(u, "name", "users"),
+                password=_req(u, "password", "users"),
+                vhosts=tuple(u.get("vhosts", ["/"])),
+                loopback_only=bool(u.get("loopback_only", False)),
+                tags=tuple(u.get("tags", [])),
+            )
+            for u in users_raw
+        )
+    for u in users:
+        for vh in u.vhosts:
+            if vh not in vhosts:
+                raise ConfigError(f"user {u.name!r} refers to vhost {vh!r} which is not declared")
+    try:
+        broker = BrokerConfig(
+            users=users,
+            vhosts=vhosts,
+            **{k: limits.pop(k) for k in list(limits) if k in _LIMIT_KEYS},
+        )
+    except TypeError as e:
+        raise ConfigError(f"bad [limits]: {e}") from None
+    if limits:
+        raise ConfigError(f"unknown [limits] key(s): {', '.join(sorted(limits))}")
+    cluster = None
+    if "cluster" in data:
+        c = dict(data["cluster"])
+        group = _req(c, "group", "cluster")
+        if len(group.encode()) > 127:
+            raise ConfigError("cluster.group is longer than 127 bytes (the CPG name limit)")
+        cluster = ClusterConfig(
+            group=group,
+            size=int(c.get("size", 1)),
+            url=str(c.get("url", "")),
+            event_log=str(c.get("event_log", "")),
+        )
+    extra = sorted(k for k in server if k not in ("shutdown_grace", "tick_ms"))
+    if extra:
+        raise ConfigError(f"unknown [server] key(s): {', '.join(extra)}")
+    return ServerConfig(
+        listen=tuple(listeners),
+        log_level=str(log.get("level", "info")),
+        log_format=str(log.get("format", "logfmt")),
+        shutdown_grace=float(server.get("shutdown_grace", 5.0)),
+        tick_ms=int(server.get("tick_ms", 100)),
+        broker=broker,
+        cluster=cluster,
+    )
+
+
+_LIMIT_KEYS = (
+    "channel_max",
+    "frame_max",
+    "heartbeat",
+    "max_message_size",
+    "high_watermark_bytes",
+    "low_watermark_ratio",
+)
+
+
+def _req(d: dict[str, Any], key: str, section: str) -> Any:
+    if key not in d:
+        raise ConfigError(f"[{section}] entry is missing {key!r}")
+    return d[key]

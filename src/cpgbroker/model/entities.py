@@ -1,0 +1,212 @@
+"""The broker's mutable entities. Hot ones are plain ``__slots__`` classes: they are created per
+message or touched per frame, where attrs' generated ``__init__`` and validators would cost more
+than they give. Cold ones use ``attrs.define(eq=False)`` without validators (house style).
+
+Ordering rule: every collection here is a list, a deque or an insertion-ordered dict, never a
+set, so that iteration order is the same on every replica whatever ``PYTHONHASHSEED`` is.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import attrs
+
+from cpgbroker.wire.framer import FrameReader
+
+
+class Message:
+    """One published message. Shared by every queue it was routed to; never modified."""
+
+    __slots__ = (
+        "body",
+        "delivery_mode",
+        "ex_b",
+        "exchange",
+        "expiration_ms",
+        "header",
+        "headers_span",
+        "id",
+        "rk_b",
+        "routing_key",
+    )
+
+    def __init__(
+        self,
+        msg_id: int,
+        exchange: str,
+        routing_key: str,
+        header: bytes,
+        body: bytes,
+        delivery_mode: int,
+        expiration_ms: int | None,
+        headers_span: tuple[int, int] | None,
+    ) -> None:
+        self.id = msg_id
+        self.exchange = exchange
+        self.routing_key = routing_key
+        # Encoded once here instead of once per delivery.
+        self.ex_b = exchange.encode()
+        self.rk_b = routing_key.encode()
+        # The client's content-header payload, forwarded byte for byte.
+        self.header = header
+        self.body = body
+        self.delivery_mode = delivery_mode
+        self.expiration_ms = expiration_ms
+        self.headers_span = headers_span
+
+    def headers(self) -> dict[str, Any]:
+        """The message's header table, decoded on demand (headers exchange, dead-lettering)."""
+        if self.headers_span is None:
+            return {}
+        from pamqp import decode
+
+        start, end = self.headers_span
+        return dict(decode.field_table(self.header[start:end])[1])
+
+
+class Entry:
+    """A message's place in one queue: ready in ``Queue.messages`` or unacked on a channel."""
+
+    __slots__ = ("expires_at", "msg", "redelivered")
+
+    def __init__(self, msg: Message, redelivered: bool, expires_at: int | None) -> None:
+        self.msg = msg
+        self.redelivered = redelivered
+        self.expires_at = expires_at
+
+
+class Consumer:
+    __slots__ = (
+        "args",
+        "channel",
+        "exclusive",
+        "no_ack",
+        "prefetch",
+        "queue",
+        "tag",
+        "tag_b",
+        "unacked",
+    )
+
+    def __init__(
+        self,
+        tag: str,
+        queue: Queue,
+        channel: Channel,
+        no_ack: bool,
+        exclusive: bool,
+        prefetch: int,
+        args: dict[str, Any],
+    ) -> None:
+        self.tag = tag
+        self.tag_b = tag.encode()
+        self.queue = queue
+        self.channel = channel
+        self.no_ack = no_ack
+        self.exclusive = exclusive
+        # basic.qos(global=false) as RabbitMQ reads it: a limit per consumer, fixed at consume.
+        self.prefetch = prefetch
+        self.unacked = 0
+        self.args = args
+
+
+@attrs.define(eq=False)
+class Queue:
+    name: str
+    vhost: str
+    durable: bool
+    exclusive_owner: int | None
+    auto_delete: bool
+    arguments: dict[str, Any]
+    # Limits and policies read from arguments at declare time.
+    ttl: int | None = None
+    expires: int | None = None
+    max_length: int | None = None
+    max_length_bytes: int | None = None
+    overflow: str = "drop-head"
+    dlx: str | None = None
+    dlrk: str | None = None
+    messages: collections.deque[Entry] = attrs.Factory(collections.deque)
+    consumers: list[Consumer] = attrs.Factory(list)
+    # Next consumer to try: round-robin start so competing consumers share fairly.
+    rr: int = 0
+    unacked: int = 0
+    # Bytes of bodies held (ready and unacked), for x-max-length-bytes and the memory mark.
+    ready_bytes: int = 0
+    had_consumers: bool = False
+    last_used_ms: int = 0
+    deleted: bool = False
+    # (exchange name, routing key, arguments) of every binding, for cleanup on delete.
+    bindings: list[tuple[str, str, dict[str, Any]]] = attrs.Factory(list)
+
+
+@attrs.define(eq=False)
+class Channel:
+    id: int
+    conn: Connection
+    closing: bool = False
+    flow_active: bool = True
+    prefetch_count: int = 0
+    global_prefetch: int = 0
+    next_tag: int = 0
+    # delivery tag -> (queue, entry, consumer or None for basic.get); tags only grow, so the
+    # dict's insertion order is tag order, which multiple-acks and requeue rely on.
+    unacked: dict[int, tuple[Queue, Entry, Consumer | None]] = attrs.Factory(dict)
+    consumers: dict[str, Consumer] = attrs.Factory(dict)
+    confirm: bool = False
+    publish_seq: int = 0
+    # Highest publish seq settled but not yet confirmed to the client, and highest confirmed.
+    confirm_pending: int = 0
+    confirm_sent: int = 0
+    tx: bool = False
+    tx_ops: list[tuple[Any, ...]] = attrs.Factory(list)
+    # A publish whose content is still arriving: [exchange, routing key, mandatory,
+    # header payload or None, remaining body bytes, body parts].
+    pending: list[Any] | None = None
+
+
+# Connection states, in handshake order.
+AWAIT_HEADER = 0
+AWAIT_START_OK = 1
+AWAIT_TUNE_OK = 2
+AWAIT_OPEN = 3
+OPEN = 4
+# We sent connection.close and wait for close-ok; only close/close-ok are read.
+CLOSING = 5
+CLOSED = 6
+
+
+@attrs.define(eq=False)
+class Connection:
+    id: int
+    member: int
+    peer: str
+    loopback: bool
+    reader: FrameReader
+    state: int = AWAIT_HEADER
+    header_buf: bytes = b""
+    user: str = ""
+    vhost: str = ""
+    channel_max: int = 0
+    frame_max: int = 0
+    heartbeat: int = 0
+    capabilities: dict[str, bool] = attrs.Factory(dict)
+    client_properties: dict[str, Any] = attrs.Factory(dict)
+    channels: dict[int, Channel] = attrs.Factory(dict)
+    # do-output credit: deliveries the owner allows before it must grant more.
+    credit: int = 0
+    want_output: bool = False
+    last_rx_ms: int = 0
+    last_tx_ms: int = 0
+    close_deadline: int | None = None
+    exclusive_queues: list[str] = attrs.Factory(list)
+    counter: int = 0
+    published: bool = False
+    blocked_sent: bool = False
+    # Whether this replica produces output bytes for the connection. A member's own clients get
+    # output; shadows skip the encoding work. Not replicated state: excluded from digests.
+    emit: bool = True
+    outbuf: list[bytes] = attrs.Factory(list)
+    confirm_dirty: list[Channel] = attrs.Factory(list)

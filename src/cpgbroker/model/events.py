@@ -1,0 +1,114 @@
+"""Events (facts in total order) that drive the model, and effects (commands) it returns.
+
+The model is a pure function of the ordered event stream. In standalone mode a local sequencer
+numbers the events; in a cluster, CPG's total order does. The member that owns a connection
+executes the effects for it; every other member drops them (shadow connections).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class ClientConnected:
+    """A client opened a TCP connection to ``member``.
+
+    ``conn`` is unique across the cluster (it embeds the member). ``loopback`` says whether the
+    peer address is a loopback address, decided once by the member that accepted the socket, so
+    the loopback-only rule for the guest user gives the same answer on every replica.
+    """
+
+    conn: int
+    member: int = 0
+    peer: str = ""
+    loopback: bool = True
+
+
+@attrs.frozen
+class ClientData:
+    """Bytes a client sent, exactly as read from the socket (any chunking)."""
+
+    conn: int
+    data: bytes
+
+
+@attrs.frozen
+class ClientDisconnected:
+    """deliver-close: the client's socket closed (or its member decided to drop it)."""
+
+    conn: int
+    reason: str = "client closed the connection"
+
+
+@attrs.frozen
+class CloseClient:
+    """Close a client's connection with connection.close (``code``, ``text``): broker shutdown
+    (320 CONNECTION_FORCED), a member leaving the cluster, an administrator's request."""
+
+    conn: int
+    code: int
+    text: str
+
+
+@attrs.frozen
+class Tick:
+    """Cluster time in milliseconds. Timers (heartbeats, TTL, x-expires) act only on ticks."""
+
+    now_ms: int
+
+
+@attrs.frozen
+class DoOutput:
+    """do-output: the owner of ``conn`` lets the model allocate up to ``limit`` more deliveries
+    to that connection's consumers (it has room to write them)."""
+
+    conn: int
+    limit: int
+
+
+@attrs.frozen
+class MemberLeft:
+    """A cluster member is gone: every replica closes its clients' connections at this point."""
+
+    member: int
+
+
+Event = (
+    ClientConnected | ClientData | ClientDisconnected | CloseClient | Tick | DoOutput | MemberLeft
+)
+
+
+@attrs.frozen
+class Send:
+    """Write ``data`` to the client of ``conn``."""
+
+    conn: int
+    data: bytes
+
+
+@attrs.frozen
+class CloseConnection:
+    """Close the client's socket after writing what was sent before."""
+
+    conn: int
+    reason: str
+
+
+@attrs.frozen
+class WantOutput:
+    """Deliveries are waiting for ``conn`` but its do-output credit is spent: the owner should
+    grant more (a :class:`DoOutput` event) once its socket has room."""
+
+    conn: int
+
+
+@attrs.frozen
+class Throttle:
+    """Stop (``paused``) or resume reading from ``conn``: the broker is over its memory mark."""
+
+    conn: int
+    paused: bool
+
+
+Effect = Send | CloseConnection | WantOutput | Throttle

@@ -1,0 +1,346 @@
+"""The trio runtime: TCP listeners, one reader and one writer task per client, the ticker, and
+the sequencer that feeds ordered events to the model.
+
+Standalone, the sequencer is trivial: an event is applied the moment it is submitted (trio runs
+one task at a time, so submissions are already totally ordered). A cluster member replaces it
+with the CPG sequencer (multicast, apply on delivery); the rest of this module does not change.
+
+Flow control, end to end:
+* Reading: a connection's reader submits what it reads and reads again; while the model has
+  told us to pause (memory mark, :class:`Throttle`) it stops reading, so TCP pushes back.
+* Writing: the model only allocates deliveries against do-output credit. The writer grants
+  credit (:class:`DoOutput`) once the socket has taken what was queued, sized by how fast the
+  client drains: it doubles while the client keeps up and halves when bytes pile up.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from cpgbroker.config import ServerConfig, parse_listen
+from cpgbroker.errors import ReplyCode
+from cpgbroker.model.broker import Broker
+from cpgbroker.model.events import (
+    ClientConnected,
+    ClientData,
+    ClientDisconnected,
+    CloseClient,
+    CloseConnection,
+    DoOutput,
+    Effect,
+    Event,
+    Send,
+    Throttle,
+    Tick,
+    WantOutput,
+)
+
+log = logging.getLogger("cpgbroker.server")
+
+# Bytes asked of the kernel per read: large enough to carry many small frames per event.
+RECV_SIZE = 256 * 1024
+# Grant more do-output credit only when fewer than this many bytes wait for the socket.
+OUTPUT_LOW_WATER = 256 * 1024
+CREDIT_MIN = 4
+CREDIT_START = 64
+CREDIT_MAX = 4096
+# Bytes of deliveries one grant may produce: bounds what a slow client makes us buffer.
+GRANT_BYTES = 1024 * 1024
+
+
+class LocalConn:
+    """A client connected to this process."""
+
+    __slots__ = (
+        "credit",
+        "id",
+        "model_closed",
+        "out",
+        "paused",
+        "peer",
+        "resume",
+        "stream",
+        "wake",
+        "want_output",
+        "closing",
+        "close_reason",
+        "written",
+    )
+
+    def __init__(self, conn_id: int, stream: trio.SocketStream, peer: str) -> None:
+        self.id = conn_id
+        self.stream = stream
+        self.peer = peer
+        self.out = bytearray()
+        self.wake = trio.Event()
+        self.want_output = False
+        self.credit = CREDIT_START
+        self.paused = False
+        self.resume = trio.Event()
+        self.closing = False
+        self.close_reason = ""
+        # The model already forgot this connection (it closed it): no deliver-close needed.
+        self.model_closed = False
+        # Bytes written since the last do-output grant: sizes the next grant.
+        self.written = 0
+
+
+class Node:
+    """Owns the broker model and executes its effects for this process's connections."""
+
+    def __init__(self, config: ServerConfig, member: int = 0) -> None:
+        self.config = config
+        self.member = member
+        self.broker = Broker(config.broker)
+        self.local: dict[int, LocalConn] = {}
+        self._conn_counter = 0
+        self._last_tick = 0
+        self.all_closed = trio.Event()
+        self.all_closed.set()
+
+    # -- the standalone sequencer: apply at once, in submission order
+    async def submit(self, ev: Event) -> None:
+        self.apply(ev)
+
+    def apply(self, ev: Event) -> None:
+        self.execute(self.broker.apply(ev))
+
+    def new_conn_id(self) -> int:
+        # Unique across a cluster: the member id in the high bits, a counter below.
+        self._conn_counter += 1
+        return (self.member << 40) | self._conn_counter
+
+    def execute(self, effects: list[Effect]) -> None:
+        local = self.local
+        for eff in effects:
+            lc = local.get(eff.conn)
+            if lc is None:
+                continue  # a shadow connection: its owner writes its output
+            t = type(eff)
+            if t is Send:
+                lc.out += eff.data  # type: ignore[union-attr]
+                lc.wake.set()
+            elif t is WantOutput:
+                lc.want_output = True
+                lc.wake.set()
+            elif t is CloseConnection:
+                lc.closing = True
+                lc.model_closed = True
+                lc.close_reason = eff.reason  # type: ignore[union-attr]
+                lc.wake.set()
+            elif t is Throttle:
+                lc.paused = eff.paused  # type: ignore[union-attr]
+                if not lc.paused:
+                    lc.resume.set()
+                    lc.resume = trio.Event()
+
+    def now_ms(self) -> int:
+        # Cluster time is wall-clock milliseconds (x-death carries it as a timestamp), made
+        # monotonic here so a clock step back never reaches the model.
+        self._last_tick = max(self._last_tick, time.time_ns() // 1_000_000)
+        return self._last_tick
+
+    # -- per connection
+    async def handle(self, stream: trio.SocketStream) -> None:
+        try:
+            peer_addr = stream.socket.getpeername()
+        except OSError:
+            return
+        host = str(peer_addr[0])
+        peer = f"[{host}]:{peer_addr[1]}" if ":" in host else f"{host}:{peer_addr[1]}"
+        try:
+            loopback = ipaddress.ip_address(host.split("%")[0]).is_loopback
+        except ValueError:
+            loopback = False
+        lc = LocalConn(self.new_conn_id(), stream, peer)
+        self.local[lc.id] = lc
+        self.all_closed = trio.Event()
+        log.info("connection accepted conn=%s peer=%s", lc.id, peer)
+        try:
+            await self.submit(ClientConnected(lc.id, self.member, peer, loopback))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._reader, lc, nursery.cancel_scope)
+                await self._writer(lc)
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                if not lc.model_closed:
+                    lc.model_closed = True
+                    await self.submit(ClientDisconnected(lc.id, lc.close_reason or "socket closed"))
+                del self.local[lc.id]
+                if not self.local:
+                    self.all_closed.set()
+                await stream.aclose()
+            log.info(
+                "connection closed conn=%s peer=%s reason=%r",
+                lc.id,
+                peer,
+                lc.close_reason or "client closed the socket",
+            )
+
+    async def _reader(self, lc: LocalConn, scope: trio.CancelScope) -> None:
+        try:
+            while True:
+                if lc.paused:
+                    await lc.resume.wait()
+                    continue
+                data = await lc.stream.receive_some(RECV_SIZE)
+                if not data:
+                    break
+                await self.submit(ClientData(lc.id, data))
+                if lc.model_closed:
+                    return
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        # The client closed (or broke) its side: deliver-close, and stop the writer.
+        if not lc.model_closed:
+            lc.model_closed = True
+            lc.close_reason = lc.close_reason or "client closed the socket"
+            await self.submit(ClientDisconnected(lc.id, lc.close_reason))
+        scope.cancel()
+
+    async def _writer(self, lc: LocalConn) -> None:
+        stream = lc.stream
+        try:
+            while True:
+                if lc.out:
+                    data = lc.out
+                    lc.out = bytearray()
+                    lc.written += len(data)
+                    await stream.send_all(data)
+                    continue
+                if lc.want_output and not lc.closing:
+                    # The socket took everything queued, so the client keeps up: grow the grant,
+                    # but keep the bytes one grant can produce near GRANT_BYTES.
+                    per_delivery = max(lc.written // max(lc.credit, 1), 1)
+                    lc.credit = max(
+                        CREDIT_MIN, min(lc.credit * 2, CREDIT_MAX, GRANT_BYTES // per_delivery)
+                    )
+                    lc.written = 0
+                    lc.want_output = False
+                    await self.submit(DoOutput(lc.id, lc.credit))
+                    continue
+                if lc.closing:
+                    return
+                lc.wake = trio.Event()
+                await lc.wake.wait()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            lc.close_reason = lc.close_reason or "socket write failed"
+            return
+
+    # -- time
+    async def ticker(self) -> None:
+        interval = self.config.tick_ms / 1000
+        while True:
+            await trio.sleep(interval)
+            await self.submit(Tick(self.now_ms()))
+
+    async def close_all(self, code: int, text: str) -> None:
+        for conn_id in list(self.local):
+            await self.submit(CloseClient(conn_id, code, text))
+
+
+def _listen_targets(config: ServerConfig) -> list[tuple[str, int]]:
+    return [parse_listen(a) for a in config.listen]
+
+
+async def serve(
+    config: ServerConfig,
+    *,
+    task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
+    node_factory: Callable[[ServerConfig], Node] | None = None,
+) -> None:
+    """Serve until cancelled or signalled; reports the bound (host, port) pairs via
+    ``task_status`` (port 0 in the config picks a free port)."""
+    node = (node_factory or Node)(config)
+    listeners: list[trio.SocketListener] = []
+    for host, port in _listen_targets(config):
+        listeners += await trio.open_tcp_listeners(port, host=host)
+    bound = []
+    for lst in listeners:
+        addr = lst.socket.getsockname()
+        bound.append((str(addr[0]), int(addr[1])))
+        log.info("listening host=%s port=%s", addr[0], addr[1])
+    node.now_ms()
+    await node.submit(Tick(node.now_ms()))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(node.ticker)
+        serve_scope = trio.CancelScope()
+
+        async def run_listeners() -> None:
+            with serve_scope:
+                await trio.serve_listeners(node.handle, listeners, handler_nursery=nursery)
+
+        nursery.start_soon(run_listeners)
+        task_status.started(bound)
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                log.info(
+                    "shutting down signal=%s connections=%d grace=%.1fs",
+                    signal.Signals(signum).name,
+                    len(node.local),
+                    config.shutdown_grace,
+                )
+                break
+        # Graceful: stop accepting, tell every client (320 CONNECTION_FORCED), give them the
+        # grace period to take it, then cancel whatever is left.
+        serve_scope.cancel()
+        for lst in listeners:
+            await lst.aclose()
+        await node.close_all(int(ReplyCode.CONNECTION_FORCED), "broker shutdown")
+        with trio.move_on_after(config.shutdown_grace):
+            await node.all_closed.wait()
+        nursery.cancel_scope.cancel()
+    log.info("stopped")
+
+
+class _LogfmtFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        ms = int(record.msecs)
+        msg = record.getMessage()
+        return f"ts={ts}.{ms:03d}Z level={record.levelname.lower()} logger={record.name} msg={msg}"
+
+
+def setup_logging(level: str, fmt: str = "logfmt") -> None:
+    handler = logging.StreamHandler()
+    if fmt == "logfmt":
+        handler.setFormatter(_LogfmtFormatter())
+    root = logging.getLogger("cpgbroker")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False
+
+
+def main(config_path: str | None, listen: str | None) -> int:
+    from cpgbroker import config as cfgmod
+    from cpgbroker.errors import ConfigError
+
+    try:
+        cfg = cfgmod.load(config_path, listen)
+    except ConfigError as e:
+        print(f"cpgbroker: {e}")
+        return 2
+    setup_logging(cfg.log_level, cfg.log_format)
+    try:
+        trio.run(_main_async, cfg)
+    except OSError as e:
+        log.error("cannot serve: %s", e)
+        return 1
+    return 0
+
+
+async def _main_async(cfg: ServerConfig) -> Any:
+    if cfg.cluster is not None:
+        from cpgbroker.runtime import member
+
+        await member.serve_member(cfg)
+    else:
+        await serve(cfg)
