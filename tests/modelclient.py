@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from pamqp import commands, frame, header, heartbeat
 from pamqp import body as pbody
+from pamqp import commands, frame, header, heartbeat
 
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.events import (
@@ -49,7 +49,9 @@ class Harness:
                     todo.append(DoOutput(eff.conn, self.credit))
 
     def connect(self, conn: int, *, member: int = 0, loopback: bool = True) -> Client:
-        self.apply(ClientConnected(conn, member, "127.0.0.1:1" if loopback else "192.0.2.9:1", loopback))
+        self.apply(
+            ClientConnected(conn, member, "127.0.0.1:1" if loopback else "192.0.2.9:1", loopback)
+        )
         return Client(self, conn)
 
     def tick(self, now_ms: int) -> None:
@@ -86,7 +88,9 @@ class Client:
         data = frame.marshal(
             commands.Basic.Publish(exchange=exchange, routing_key=rk, mandatory=mandatory), ch
         )
-        data += frame.marshal(header.ContentHeader(0, len(body), props or commands.Basic.Properties()), ch)
+        data += frame.marshal(
+            header.ContentHeader(0, len(body), props or commands.Basic.Properties()), ch
+        )
         step = frame_max - 8
         for i in range(0, len(body), step):
             data += frame.marshal(pbody.ContentBody(body[i : i + step]), ch)
@@ -112,7 +116,11 @@ class Client:
         return got
 
     def methods(self) -> list[Any]:
-        return [f for _, f in self.recv() if not isinstance(f, (header.ContentHeader, pbody.ContentBody, heartbeat.Heartbeat))]
+        return [
+            f
+            for _, f in self.recv()
+            if not isinstance(f, (header.ContentHeader, pbody.ContentBody, heartbeat.Heartbeat))
+        ]
 
     def rpc(self, ch: int, method: Any) -> Any:
         self.send(ch, method)
@@ -137,13 +145,17 @@ class Client:
         self.send_raw(PROTOCOL_HEADER)
         start = self.methods()[-1]
         assert isinstance(start, commands.Connection.Start), start
-        caps = capabilities if capabilities is not None else {
-            "publisher_confirms": True,
-            "consumer_cancel_notify": True,
-            "basic.nack": True,
-            "connection.blocked": True,
-            "authentication_failure_close": True,
-        }
+        caps = (
+            capabilities
+            if capabilities is not None
+            else {
+                "publisher_confirms": True,
+                "consumer_cancel_notify": True,
+                "basic.nack": True,
+                "connection.blocked": True,
+                "authentication_failure_close": True,
+            }
+        )
         reply = self.rpc(
             0,
             commands.Connection.StartOk(
@@ -154,7 +166,12 @@ class Client:
         )
         if not isinstance(reply, commands.Connection.Tune):
             return reply
-        self.send(0, commands.Connection.TuneOk(channel_max=reply.channel_max, frame_max=frame_max, heartbeat=heartbeat))
+        self.send(
+            0,
+            commands.Connection.TuneOk(
+                channel_max=reply.channel_max, frame_max=frame_max, heartbeat=heartbeat
+            ),
+        )
         return self.rpc(0, commands.Connection.Open(virtual_host=vhost))
 
     def channel(self, ch: int = 1) -> Any:

@@ -33,7 +33,7 @@ class ServerConfig:
     shutdown_grace: float = 5.0
     # Cluster time resolution: TTL, x-expires and heartbeats act on ticks this far apart.
     tick_ms: int = 100
-    broker: BrokerConfig = BrokerConfig()
+    broker: BrokerConfig = attrs.Factory(BrokerConfig)
     cluster: ClusterConfig | None = None
 
 

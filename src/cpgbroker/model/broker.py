@@ -113,7 +113,7 @@ def _method_name(index: int) -> str:
     cls = commands.INDEX_MAPPING.get(index)
     if cls is None:
         return f"method {index >> 16}.{index & 0xFFFF}"
-    return str(cls.name).lower()
+    return str(getattr(cls, "name", cls.__name__)).lower()
 
 
 class VHost:
@@ -271,30 +271,33 @@ class Broker:
                 return
         reader = conn.reader
         reader.feed(data)
-        try:
-            while True:
+        # Errors are handled per frame, so the outcome never depends on how the client's bytes
+        # were chunked into events (a property test checks this).
+        f: tuple[int, int, bytes] | None = None
+        while True:
+            try:
                 f = reader.next_frame()
                 if f is None:
                     break
-                ftype, ch, payload = f
-                try:
-                    self._on_frame(conn, ftype, ch, payload)
-                except ChannelError as e:
-                    self._channel_error(conn, ch, e)
-                if conn.state == E.CLOSED:
-                    return
-        except ConnectionError_ as e:
-            if isinstance(e, FrameError):
-                reader.clear()
-            self._connection_error(conn, e)
+                self._on_frame(conn, f[0], f[1], f[2])
+            except ChannelError as e:
+                self._channel_error(conn, f[1] if f else 0, e)
+            except FrameError as e:
+                # Frame boundaries are lost: nothing after this can be parsed, so close now.
+                self._connection_error(conn, e)
+                self._drop_connection(conn, f"frame error: {e.text}", notify=True)
+                return
+            except ConnectionError_ as e:
+                self._connection_error(conn, e)
+            if conn.state == E.CLOSED:
+                return
         if conn.confirm_dirty:
             self._flush_confirms(conn)
 
     def _bad_header(self, conn: Connection) -> None:
         # Spec 4.2.2: answer a bad protocol header with our own header, then close.
         self._emit(conn, PROTOCOL_HEADER)
-        self._release_connection(conn)
-        self._close_socket(conn, "bad AMQP protocol header")
+        self._drop_connection(conn, "bad AMQP protocol header", notify=True)
 
     def _send_start(self, conn: Connection) -> None:
         cfg = self.config
@@ -333,7 +336,6 @@ class Broker:
         self._release_connection(conn)
         conn.state = E.CLOSING
         conn.close_deadline = self.now_ms + CLOSE_TIMEOUT_MS
-        conn.reader.clear()
 
     def _release_connection(self, conn: Connection) -> None:
         """Give back everything the connection holds: unacked messages are requeued, consumers
@@ -833,14 +835,13 @@ class Broker:
             if ex is None:
                 raise ChannelError(R.NOT_FOUND, f"no exchange '{name}' in vhost '{vh.name}'")
         else:
-            if name == "" or name.startswith("amq."):
-                if ex is None or name == "":
-                    raise ChannelError(
-                        R.ACCESS_REFUSED,
-                        f"exchange name '{name}' contains reserved prefix 'amq.*'"
-                        if name
-                        else "operation not permitted on the default exchange",
-                    )
+            if (name == "" or name.startswith("amq.")) and (ex is None or name == ""):
+                raise ChannelError(
+                    R.ACCESS_REFUSED,
+                    f"exchange name '{name}' contains reserved prefix 'amq.*'"
+                    if name
+                    else "operation not permitted on the default exchange",
+                )
             if m.exchange_type not in EXCHANGE_TYPES:
                 raise ConnectionError_(
                     R.COMMAND_INVALID, f"unknown exchange type '{m.exchange_type}'"
@@ -914,9 +915,12 @@ class Broker:
         vh = self._vhost(conn)
         dest = vh.exchanges.get(m.destination)
         src = vh.exchanges.get(m.source)
-        if src is not None and dest is not None:
-            if src.unbind(dest, m.routing_key, dict(m.arguments or {})):
-                self._maybe_auto_delete_exchange(vh, src)
+        if (
+            src is not None
+            and dest is not None
+            and src.unbind(dest, m.routing_key, dict(m.arguments or {}))
+        ):
+            self._maybe_auto_delete_exchange(vh, src)
         if not m.nowait:
             self._send_method(conn, ch.id, commands.Exchange.UnbindOk())
 
@@ -938,9 +942,9 @@ class Broker:
                 )
             if name == "":
                 name = self._next_name(conn, "amq.gen-")
-            q = vh.queues.get(name)
+            existing = vh.queues.get(name)
             args = dict(m.arguments or {})
-            if q is None:
+            if existing is None:
                 q = Queue(
                     name=name,
                     vhost=vh.name,
@@ -958,6 +962,7 @@ class Broker:
                     self._expiring[(vh.name, name)] = q
                 # Every queue is bound to the default exchange by its name (implicitly).
             else:
+                q = existing
                 self._check_exclusive(conn, q)
                 for field, new, old in (
                     ("durable", m.durable, q.durable),
@@ -1113,6 +1118,15 @@ class Broker:
 
     def _remove_consumer(self, c: Consumer) -> None:
         q = c.queue
+        if c.unacked:
+            # Its unacked deliveries stay on the channel but no longer count against it: detach
+            # them so a later consumer reusing the tag is not charged (and snapshots, which name
+            # consumers by tag, stay exact).
+            ch = c.channel
+            for tag, (dq, e, dc) in ch.unacked.items():
+                if dc is c:
+                    ch.unacked[tag] = (dq, e, None)
+            c.unacked = 0
         if c in q.consumers:
             idx = q.consumers.index(c)
             q.consumers.remove(c)
@@ -1371,8 +1385,13 @@ class Broker:
         ttl = q.ttl
         exp = msg.expiration_ms
         if ttl is not None or exp is not None:
-            lim = ttl if exp is None else (exp if ttl is None else min(ttl, exp))
-            e.expires_at = self.now_ms + lim
+            if ttl is None:
+                lim = exp
+            elif exp is None:
+                lim = ttl
+            else:
+                lim = min(ttl, exp)
+            e.expires_at = self.now_ms + (lim or 0)
             self._ttl_queues[(q.vhost, q.name)] = q
         q.messages.append(e)
         q.ready_bytes += size
@@ -1601,7 +1620,7 @@ class Broker:
                     self._account_removed(q, e)
                 else:
                     self._settle_dropped(q, e, "rejected")
-                if c is not None and q not in touched:
+                if q not in touched:
                     touched.append(q)
         for q in touched:
             self._dispatch(q)
@@ -1775,8 +1794,8 @@ def _dead_letter_header(msg: Message, q: Queue, reason: str, now_ms: int) -> byt
     ch = pheader.ContentHeader()
     ch.unmarshal(msg.header)
     props = ch.properties
-    headers = dict(props.headers or {})
-    deaths = list(headers.get("x-death") or [])
+    headers: dict[str, Any] = dict(props.headers or {})
+    deaths: list[Any] = list(headers.get("x-death") or [])
     when = datetime.datetime.fromtimestamp(now_ms // 1000, tz=datetime.UTC)
     for i, d in enumerate(deaths):
         if isinstance(d, dict) and d.get("queue") == q.name and d.get("reason") == reason:

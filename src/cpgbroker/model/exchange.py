@@ -57,7 +57,7 @@ class Exchange:
         """Add a binding; False if an identical one exists (bindings are idempotent)."""
         if self.has_binding(dest, key, args):
             return False
-        words = tuple(key.split(".")) if self.type == "topic" else ()
+        words = tuple(_words(key)) if self.type == "topic" else ()
         self.bindings.append(Binding(dest, key, args, words))
         if self.type == "direct":
             dests = self.by_key.setdefault(key, [])
@@ -106,7 +106,7 @@ class Exchange:
         if t == "topic":
             hit = self.cache.get(routing_key)
             if hit is None:
-                words = routing_key.split(".")
+                words = _words(routing_key)
                 hit = [b.dest for b in self.bindings if topic_match(b.words, words)]
                 if len(self.cache) > 4096:
                     self.cache.clear()
@@ -120,6 +120,11 @@ class Exchange:
 
 
 _EMPTY: list[Dest] = []
+
+
+def _words(key: str) -> list[str]:
+    # RabbitMQ reads an empty key as zero words: "#" matches it, "*" does not.
+    return key.split(".") if key else []
 
 
 def topic_match(pattern: tuple[str, ...] | list[str], words: list[str]) -> bool:

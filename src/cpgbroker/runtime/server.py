@@ -59,6 +59,8 @@ class LocalConn:
     """A client connected to this process."""
 
     __slots__ = (
+        "close_reason",
+        "closing",
         "credit",
         "id",
         "model_closed",
@@ -69,8 +71,6 @@ class LocalConn:
         "stream",
         "wake",
         "want_output",
-        "closing",
-        "close_reason",
         "written",
     )
 

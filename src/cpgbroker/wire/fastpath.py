@@ -151,7 +151,11 @@ def encode_nack(channel: int, delivery_tag: int, multiple: bool) -> bytes:
 def encode_content(channel: int, header_payload: bytes, body: bytes, frame_max: int) -> bytes:
     """Content header frame (the client's own header bytes, never re-encoded) and body frames
     split to the receiving connection's ``frame_max``."""
-    parts = [_HEAD.pack(FRAME_HEADER, channel, len(header_payload)), header_payload, FRAME_END_BYTE]
+    parts: list[bytes | memoryview] = [
+        _HEAD.pack(FRAME_HEADER, channel, len(header_payload)),
+        header_payload,
+        FRAME_END_BYTE,
+    ]
     size = len(body)
     if size:
         chunk = frame_max - 8
