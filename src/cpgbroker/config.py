@@ -22,6 +22,10 @@ class ClusterConfig:
     # The AMQP URL clients use to reach this member (announced to clients for failover).
     url: str = ""
     event_log: str = ""
+    # Network namespace whose corosync to join (a dev cluster on one machine); "" for none.
+    netns: str = ""
+    # Seconds to wait for ``size`` members before giving up.
+    ready_timeout: float = 120.0
 
 
 @attrs.frozen
@@ -33,6 +37,8 @@ class ServerConfig:
     shutdown_grace: float = 5.0
     # Cluster time resolution: TTL, x-expires and heartbeats act on ticks this far apart.
     tick_ms: int = 100
+    # HOST:PORT of the HTTP status endpoint (GET /status -> JSON); "" disables it.
+    admin_listen: str = ""
     broker: BrokerConfig = attrs.Factory(BrokerConfig)
     cluster: ClusterConfig | None = None
 
@@ -77,6 +83,8 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
         listeners = [listeners]
     if listen is not None:
         listeners = [listen]
+    if "cluster" in data and "url" not in data["cluster"] and listeners:
+        data["cluster"] = {**data["cluster"], "url": f"amqp://{listeners[0]}/"}
     for addr in listeners:
         parse_listen(addr)
     vhosts = tuple(data.get("vhosts", ["/"]))
@@ -119,8 +127,20 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             size=int(c.get("size", 1)),
             url=str(c.get("url", "")),
             event_log=str(c.get("event_log", "")),
+            netns=str(c.get("netns", "")),
+            ready_timeout=float(c.get("ready_timeout", 120.0)),
         )
-    extra = sorted(k for k in server if k not in ("shutdown_grace", "tick_ms"))
+        unknown_c = sorted(
+            k for k in c if k not in ("group", "size", "url", "event_log", "netns", "ready_timeout")
+        )
+        if unknown_c:
+            raise ConfigError(f"unknown [cluster] key(s): {', '.join(unknown_c)}")
+        if cluster.size < 1:
+            raise ConfigError("cluster.size must be at least 1")
+    admin_listen = str(server.get("admin", ""))
+    if admin_listen:
+        parse_listen(admin_listen)
+    extra = sorted(k for k in server if k not in ("shutdown_grace", "tick_ms", "admin"))
     if extra:
         raise ConfigError(f"unknown [server] key(s): {', '.join(extra)}")
     return ServerConfig(
@@ -129,6 +149,7 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
         log_format=str(log.get("format", "logfmt")),
         shutdown_grace=float(server.get("shutdown_grace", 5.0)),
         tick_ms=int(server.get("tick_ms", 100)),
+        admin_listen=admin_listen,
         broker=broker,
         cluster=cluster,
     )

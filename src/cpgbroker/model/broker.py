@@ -49,6 +49,7 @@ from cpgbroker.model.events import (
     ClientDisconnected,
     CloseClient,
     CloseConnection,
+    ClusterMembers,
     DoOutput,
     Effect,
     Event,
@@ -100,6 +101,10 @@ SERVER_CAPABILITIES = {
     "direct_reply_to": False,
 }
 
+# Fanout exchange carrying the cluster's member list (cluster mode): a queue bound to it gets
+# the current list at once and again on every membership change.
+FAILOVER_EXCHANGE = "amq.failover"
+
 PREDECLARED = (
     ("amq.direct", "direct"),
     ("amq.fanout", "fanout"),
@@ -137,6 +142,8 @@ class Broker:
         self.queued_bytes = 0
         self.blocked = False
         self.connections: dict[int, Connection] = {}
+        # Client URLs of the cluster's members (empty standalone), in the cluster's order.
+        self.member_urls: tuple[str, ...] = self.config.member_urls
         self.vhosts: dict[str, VHost] = {}
         for name in self.config.vhosts:
             self._add_vhost(name)
@@ -174,6 +181,8 @@ class Broker:
                     )
                 else:
                     self._drop_connection(conn, event.text, notify=True)  # type: ignore[union-attr]
+        elif t is ClusterMembers:
+            self._on_members(event.urls)  # type: ignore[union-attr]
         elif t is MemberLeft:
             for conn in [c for c in self.connections.values() if c.member == event.member]:  # type: ignore[union-attr]
                 self._drop_connection(conn, "cluster member left", notify=False)
@@ -186,6 +195,37 @@ class Broker:
         conn = self.connections.get(conn_id)
         if conn is not None:
             conn.emit = emit
+
+    # ------------------------------------------------------------------ cluster membership
+
+    def _on_members(self, urls: tuple[str, ...]) -> None:
+        self.member_urls = tuple(urls)
+        for vh in self.vhosts.values():
+            ex = vh.exchanges.get(FAILOVER_EXCHANGE)
+            if ex is None:
+                ex = Exchange(FAILOVER_EXCHANGE, vh.name, "fanout", True, False, False, {})
+                vh.exchanges[FAILOVER_EXCHANGE] = ex
+            for b in ex.bindings:
+                if isinstance(b.dest, Queue):
+                    self._publish_members(b.dest)
+
+    def _publish_members(self, q: Queue) -> None:
+        """The member list as a message on ``q`` (amq.failover): body one URL per line, and the
+        list in header ``members`` for clients that read headers."""
+        from pamqp import header as pheader
+
+        props = commands.Basic.Properties(
+            content_type="text/plain", headers={"members": list(self.member_urls)}
+        )
+        body = "\n".join(self.member_urls).encode()
+        hdr = bytes(pheader.ContentHeader(0, len(body), props).marshal())
+        info = fp.parse_content_header(hdr)
+        self.msg_seq += 1
+        msg = Message(
+            self.msg_seq, FAILOVER_EXCHANGE, "", hdr, body, 1, None, info.headers_span
+        )
+        if self._enqueue(q, Entry(msg, False, None)):
+            self._dispatch(q)
 
     # ------------------------------------------------------------------ output plumbing
 
@@ -310,8 +350,8 @@ class Broker:
             "capabilities": dict(SERVER_CAPABILITIES),
             "cluster_name": cfg.cluster_name or "standalone",
         }
-        if cfg.member_urls:
-            props["cluster_members"] = " ".join(cfg.member_urls)
+        if self.member_urls:
+            props["cluster_members"] = " ".join(self.member_urls)
         self._send_method(
             conn,
             0,
@@ -383,8 +423,9 @@ class Broker:
     # ------------------------------------------------------------------ time
 
     def _on_tick(self, now_ms: int) -> None:
-        if now_ms < self.now_ms:
-            raise InvariantError(f"cluster time went back from {self.now_ms} to {now_ms}")
+        # Another member may take over the clock with a clock slightly behind: cluster time
+        # never goes back (every replica clamps the same way, so this stays deterministic).
+        now_ms = max(now_ms, self.now_ms)
         self.now_ms = now_ms
         for conn in list(self.connections.values()):
             if conn.state != E.OPEN:
@@ -1005,6 +1046,8 @@ class Broker:
         args = dict(m.arguments or {})
         if ex.bind(q, m.routing_key, args):
             q.bindings.append((ex.name, m.routing_key, args))
+            if ex.name == FAILOVER_EXCHANGE:
+                self._publish_members(q)
         if not m.nowait:
             self._send_method(conn, ch.id, commands.Queue.BindOk())
 

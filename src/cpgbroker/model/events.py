@@ -74,8 +74,23 @@ class MemberLeft:
     member: int
 
 
+@attrs.frozen
+class ClusterMembers:
+    """The cluster's members changed: ``urls`` are the client URLs of the members now in it,
+    in a fixed order. Sent to clients in connection.start and published on amq.failover."""
+
+    urls: tuple[str, ...]
+
+
 Event = (
-    ClientConnected | ClientData | ClientDisconnected | CloseClient | Tick | DoOutput | MemberLeft
+    ClientConnected
+    | ClientData
+    | ClientDisconnected
+    | CloseClient
+    | Tick
+    | DoOutput
+    | MemberLeft
+    | ClusterMembers
 )
 
 

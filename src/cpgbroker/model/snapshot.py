@@ -185,6 +185,7 @@ def snapshot(b: Broker) -> dict[str, Any]:
         "msg_seq": b.msg_seq,
         "queued_bytes": b.queued_bytes,
         "blocked": b.blocked,
+        "member_urls": list(b.member_urls),
         "vhosts": vhosts,
         "queues": qdata,
         "messages": [_message(m) for m in messages.values()],
@@ -344,6 +345,7 @@ def restore(data: dict[str, Any], config: BrokerConfig | None = None) -> Broker:
     b.msg_seq = data["msg_seq"]
     b.queued_bytes = data["queued_bytes"]
     b.blocked = data["blocked"]
+    b.member_urls = tuple(data["member_urls"])
     msgs = {m[0]: _restore_message(m) for m in data["messages"]}
 
     def entry(raw: list[Any]) -> Entry:

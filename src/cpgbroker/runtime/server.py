@@ -24,6 +24,7 @@ from typing import Any
 
 import trio
 
+from cpgbroker.cluster.codec import conn_id
 from cpgbroker.config import ServerConfig, parse_listen
 from cpgbroker.errors import ReplyCode
 from cpgbroker.model.broker import Broker
@@ -46,6 +47,8 @@ log = logging.getLogger("cpgbroker.server")
 
 # Bytes asked of the kernel per read: large enough to carry many small frames per event.
 RECV_SIZE = 256 * 1024
+# Reads of one client that may be in flight (multicast, not yet delivered back) at once.
+READ_CREDIT = 4
 # Grant more do-output credit only when fewer than this many bytes wait for the socket.
 OUTPUT_LOW_WATER = 256 * 1024
 CREDIT_MIN = 4
@@ -62,7 +65,9 @@ class LocalConn:
         "close_reason",
         "closing",
         "credit",
+        "credit_back",
         "id",
+        "inflight",
         "model_closed",
         "out",
         "paused",
@@ -90,6 +95,10 @@ class LocalConn:
         self.model_closed = False
         # Bytes written since the last do-output grant: sizes the next grant.
         self.written = 0
+        # Reads submitted but not yet applied (a cluster member waits for its own events to
+        # come back through CPG); the reader stops while READ_CREDIT are in flight.
+        self.inflight = 0
+        self.credit_back = trio.Event()
 
 
 class Node:
@@ -115,7 +124,7 @@ class Node:
     def new_conn_id(self) -> int:
         # Unique across a cluster: the member id in the high bits, a counter below.
         self._conn_counter += 1
-        return (self.member << 40) | self._conn_counter
+        return conn_id(self.member, self._conn_counter)
 
     def execute(self, effects: list[Effect]) -> None:
         local = self.local
@@ -191,6 +200,10 @@ class Node:
                 if lc.paused:
                     await lc.resume.wait()
                     continue
+                if lc.inflight >= READ_CREDIT:
+                    lc.credit_back = trio.Event()
+                    await lc.credit_back.wait()
+                    continue
                 data = await lc.stream.receive_some(RECV_SIZE)
                 if not data:
                     break
@@ -242,9 +255,44 @@ class Node:
             await trio.sleep(interval)
             await self.submit(Tick(self.now_ms()))
 
+    def status(self) -> dict[str, Any]:
+        b = self.broker
+        return {
+            "member": None,
+            "state": "standalone",
+            "connections": {"local": len(self.local), "shadow": 0},
+            "queues": {
+                f"{vh.name}:{q.name}": {
+                    "ready": len(q.messages),
+                    "unacked": q.unacked,
+                    "consumers": len(q.consumers),
+                }
+                for vh in b.vhosts.values()
+                for q in vh.queues.values()
+            },
+            "event_seq": b.event_seq,
+        }
+
     async def close_all(self, code: int, text: str) -> None:
         for conn_id in list(self.local):
             await self.submit(CloseClient(conn_id, code, text))
+
+
+def forced_close_frame(text: str) -> bytes:
+    """connection.close 320 CONNECTION_FORCED, written by the runtime itself when the member
+    can no longer go through the model (it is leaving the cluster)."""
+    from pamqp import commands
+    from pamqp import frame as pframe
+
+    return pframe.marshal(
+        commands.Connection.Close(
+            reply_code=int(ReplyCode.CONNECTION_FORCED),
+            reply_text=f"CONNECTION_FORCED - {text}"[:255],
+            class_id=0,
+            method_id=0,
+        ),
+        0,
+    )
 
 
 def _listen_targets(config: ServerConfig) -> list[tuple[str, int]]:
@@ -279,6 +327,10 @@ async def serve(
                 await trio.serve_listeners(node.handle, listeners, handler_nursery=nursery)
 
         nursery.start_soon(run_listeners)
+        if config.admin_listen:
+            from cpgbroker.runtime import admin
+
+            await nursery.start(admin.serve_admin, config.admin_listen, node.status)
         task_status.started(bound)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
@@ -329,11 +381,16 @@ def main(config_path: str | None, listen: str | None) -> int:
         print(f"cpgbroker: {e}")
         return 2
     setup_logging(cfg.log_level, cfg.log_format)
+    from cpgbroker.errors import ClusterError, CpgError
+
     try:
         trio.run(_main_async, cfg)
     except OSError as e:
         log.error("cannot serve: %s", e)
         return 1
+    except (ClusterError, CpgError) as e:
+        log.error("stopped: %s", e)
+        return 3
     return 0
 
 

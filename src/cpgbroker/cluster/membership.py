@@ -1,0 +1,193 @@
+"""Cluster membership as every member sees it in the CPG stream (pure: no I/O).
+
+Theory of operation
+-------------------
+Every member feeds this class the same ordered stream: CPG configuration changes and the
+``Hello`` events members multicast. Decisions are made *at* a point of that stream, so every
+member makes the same decision at the same point.
+
+* On joining, a member multicasts ``Hello(status=new)``. Members already serving answer every
+  join with ``Hello(status=ready)``.
+* Start-up: members that are all new become ready together at the event where the last of at
+  least ``size`` members' hellos is delivered. They all start from the empty initial state and
+  no client event precedes that point, so their states are equal.
+* A newcomer that hears a ready member's hello needs a state update (``NeedUpdate``); one that
+  hears an incompatible hello (another model version or configuration) is refused (``Fatal``).
+* A member leaving (CPG confchg) becomes ``MemberLeft`` for the model, so every replica closes
+  its clients' shadow connections at that point, followed by the new member list.
+* The clock master, which multicasts cluster time, is the ready member with the lowest member
+  id. CPG membership does not say who is eldest, and a newcomer could not know before its
+  update; the lowest id is a choice every member computes alike, and a successor takes over the
+  moment the master's departure is delivered.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from cpgbroker.cluster.codec import STATUS_NEW, STATUS_READY, Hello
+from cpgbroker.model.events import ClusterMembers, MemberLeft
+
+JOINING = "joining"
+READY = "ready"
+NEEDS_UPDATE = "needs-update"
+FAILED = "failed"
+
+
+@attrs.frozen
+class SendHello:
+    status: int
+
+
+@attrs.frozen
+class BecomeReady:
+    """This member starts serving clients now."""
+
+
+@attrs.frozen
+class ApplyToModel:
+    event: Any
+
+
+@attrs.frozen
+class NeedUpdate:
+    """The cluster already serves: this member must receive a state update before serving."""
+
+    reason: str
+
+
+@attrs.frozen
+class Fatal:
+    reason: str
+
+
+Action = SendHello | BecomeReady | ApplyToModel | NeedUpdate | Fatal
+
+
+@attrs.define(eq=False)
+class MemberInfo:
+    member: int
+    status: int | None = None
+    url: str = ""
+    software: str = ""
+
+
+class Membership:
+    def __init__(
+        self, me: int, size: int, model_version: int, config_digest: bytes, url: str
+    ) -> None:
+        self.me = me
+        self.size = size
+        self.model_version = model_version
+        self.config_digest = config_digest
+        self.url = url
+        self.state = JOINING
+        # Current CPG members in the order the stream revealed them (dict: deterministic).
+        self.members: dict[int, MemberInfo] = {}
+        self.joined = False
+
+    # -- queries
+    @property
+    def ready_members(self) -> list[int]:
+        return sorted(m for m, i in self.members.items() if i.status == STATUS_READY)
+
+    @property
+    def clock_master(self) -> int | None:
+        ready = self.ready_members
+        return ready[0] if ready else None
+
+    def urls(self) -> tuple[str, ...]:
+        return tuple(
+            self.members[m].url
+            for m in sorted(self.members)
+            if self.members[m].url and self.members[m].status == STATUS_READY
+        )
+
+    # -- stream input
+    def on_confchg(self, members: list[int], joined: list[int], left: list[int]) -> list[Action]:
+        actions: list[Action] = []
+        if not self.joined:
+            if self.me not in joined:
+                return actions
+            self.joined = True
+        for m in left:
+            info = self.members.pop(m, None)
+            if info is not None and self.state == READY and info.status == STATUS_READY:
+                actions.append(ApplyToModel(MemberLeft(m)))
+        for m in list(self.members):
+            if m not in members:
+                del self.members[m]
+        for m in members:
+            self.members.setdefault(m, MemberInfo(m))
+        if left and self.state == READY:
+            actions.append(ApplyToModel(ClusterMembers(self.urls())))
+        if self.state == READY:
+            if joined:
+                # Tell the newcomers this cluster already serves.
+                actions.append(SendHello(STATUS_READY))
+        elif self.state == JOINING:
+            # Hellos sent before this configuration were not seen by members that just
+            # joined: every joining member announces itself again, and readiness is decided
+            # only on announcements made in this configuration, which all members see at the
+            # same points of the stream.
+            for info in self.members.values():
+                if info.status != STATUS_READY:
+                    info.status = None
+            actions.append(SendHello(STATUS_NEW))
+        return actions
+
+    def on_hello(self, h: Hello) -> list[Action]:
+        info = self.members.get(h.member)
+        if info is None or not self.joined:
+            return []  # from a member that already left, or before our own join
+        if h.model_version != self.model_version or h.config_digest != self.config_digest:
+            if h.member == self.me:
+                return []
+            if self.state == JOINING and h.status == STATUS_READY:
+                self.state = FAILED
+                what = (
+                    f"model version {h.model_version} (ours {self.model_version})"
+                    if h.model_version != self.model_version
+                    else "a different configuration (users, vhosts, limits or cluster name)"
+                )
+                return [
+                    Fatal(
+                        f"the running cluster has {what}; a member must run the same software "
+                        "and configuration as the cluster it joins"
+                    )
+                ]
+            # An incompatible newcomer: it refuses itself; never count it as a member.
+            info.status = None
+            return []
+        info.url = h.url
+        info.software = h.software
+        if h.member == self.me:
+            if info.status is None:
+                info.status = h.status
+            return self._maybe_ready() if self.state == JOINING else []
+        if h.status == STATUS_READY:
+            info.status = STATUS_READY
+            if self.state == JOINING:
+                self.state = NEEDS_UPDATE
+                return [
+                    NeedUpdate(
+                        f"member {h.member} already serves clients; this member has no state "
+                        "and needs a state update"
+                    )
+                ]
+            return []
+        if info.status is None:
+            info.status = STATUS_NEW
+        return self._maybe_ready() if self.state == JOINING else []
+
+    def _maybe_ready(self) -> list[Action]:
+        if len(self.members) < self.size:
+            return []
+        if any(i.status != STATUS_NEW for i in self.members.values()):
+            return []
+        for i in self.members.values():
+            i.status = STATUS_READY
+        self.state = READY
+        return [BecomeReady(), ApplyToModel(ClusterMembers(self.urls()))]
