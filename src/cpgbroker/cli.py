@@ -70,7 +70,6 @@ def _status(url: str, as_json: bool) -> int:
     conns = data.get("connections", {})
     print(f"connections: {conns.get('local', 0)} local, {conns.get('shadow', 0)} shadow")
     for name, q in sorted(data.get("queues", {}).items()):
-        print(
-            f"  queue {name}: {q['ready']} ready, {q['unacked']} unacked, {q['consumers']} consumers"
-        )
+        counts = f"{q['ready']} ready, {q['unacked']} unacked, {q['consumers']} consumers"
+        print(f"  queue {name}: {counts}")
     return 0

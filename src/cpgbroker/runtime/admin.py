@@ -1,4 +1,4 @@
-"""A minimal HTTP status endpoint (``GET /status`` -> JSON) for ``cpgbroker status``.
+"""A minimal HTTP status endpoint (``GET /status[?digest=1]`` -> JSON) for ``cpgbroker status``.
 
 Read-only and bound to the address the operator configures (loopback by default in the
 examples): it reports membership, connection counts, queue depths, the event sequence and the
@@ -24,7 +24,7 @@ MAX_REQUEST = 8192
 
 async def serve_admin(
     addr: str,
-    status: Callable[[], dict[str, Any]],
+    status: Callable[[bool], dict[str, Any]],
     *,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -43,8 +43,10 @@ async def serve_admin(
                         break
                     request += chunk
                 line = request.split(b"\r\n", 1)[0].decode(errors="replace").split()
-                if len(line) >= 2 and line[0] == "GET" and line[1] in ("/", "/status"):
-                    body = json.dumps(status(), indent=2, default=str).encode()
+                path, _, query = line[1].partition("?") if len(line) >= 2 else ("", "", "")
+                if line and line[0] == "GET" and path in ("/", "/status"):
+                    # ?digest=1 adds the current model digest (costs a full snapshot).
+                    body = json.dumps(status("digest=1" in query), indent=2, default=str).encode()
                     code = "200 OK"
                 else:
                     body = b'{"error": "only GET /status"}'

@@ -10,6 +10,7 @@ every decision at the same point of the order.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -317,11 +318,12 @@ class ClusterNode(Node):
             rec.setdefault("t_ns", time.time_ns())
             self._event_log.write(json.dumps(rec, separators=(",", ":")) + "\n")
 
-    def status(self) -> dict[str, Any]:
+    def status(self, with_digest: bool = False) -> dict[str, Any]:
         b = self.broker
         local = sum(1 for c in b.connections if c in self.local)
         last = self.checkpoints.last
         return {
+            "digest": snapshot.digest(b) if with_digest else None,
             "member": self.member,
             "url": self.cluster_cfg.url,
             "state": self.membership.state,
@@ -424,11 +426,11 @@ async def serve_member(
                 # see us leave through CPG and close our clients' shadows at that point.
                 frame = forced_close_frame("member left the cluster: " + node.failure[:150])
                 for lc in list(node.local.values()):
-                    with trio.move_on_after(1):
-                        try:
-                            await lc.stream.send_all(frame)
-                        except (trio.BrokenResourceError, trio.ClosedResourceError):
-                            pass
+                    with (
+                        trio.move_on_after(1),
+                        contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
+                    ):
+                        await lc.stream.send_all(frame)
                     await lc.stream.aclose()
                 raise ClusterError(node.failure)
         finally:

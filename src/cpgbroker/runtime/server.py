@@ -27,6 +27,7 @@ import trio
 from cpgbroker.cluster.codec import conn_id
 from cpgbroker.config import ServerConfig, parse_listen
 from cpgbroker.errors import ReplyCode
+from cpgbroker.model import snapshot
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.events import (
     ClientConnected,
@@ -255,9 +256,10 @@ class Node:
             await trio.sleep(interval)
             await self.submit(Tick(self.now_ms()))
 
-    def status(self) -> dict[str, Any]:
+    def status(self, with_digest: bool = False) -> dict[str, Any]:
         b = self.broker
         return {
+            "digest": snapshot.digest(b) if with_digest else None,
             "member": None,
             "state": "standalone",
             "connections": {"local": len(self.local), "shadow": 0},
@@ -274,8 +276,8 @@ class Node:
         }
 
     async def close_all(self, code: int, text: str) -> None:
-        for conn_id in list(self.local):
-            await self.submit(CloseClient(conn_id, code, text))
+        for cid in list(self.local):
+            await self.submit(CloseClient(cid, code, text))
 
 
 def forced_close_frame(text: str) -> bytes:
