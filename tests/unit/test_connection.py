@@ -137,11 +137,15 @@ def test_method_on_unopened_channel_is_504():
     assert isinstance(close, C.Connection.Close) and close.reply_code == 504
 
 
-def test_channel_above_channel_max_is_refused():
-    h = Harness(Broker(BrokerConfig(channel_max=10)))
+def test_opening_more_than_channel_max_channels_is_refused():
+    # RabbitMQ's reading, which clients rely on: channel_max bounds how many channels are
+    # open, not their numbers (aiormq opens channel 65535).
+    h = Harness(Broker(BrokerConfig(channel_max=2)))
     c = h.connect(1)
     c.handshake()
-    close = c.rpc(11, C.Channel.Open())
+    assert isinstance(c.rpc(65535, C.Channel.Open()), C.Channel.OpenOk)
+    assert isinstance(c.rpc(7, C.Channel.Open()), C.Channel.OpenOk)
+    close = c.rpc(8, C.Channel.Open())
     assert isinstance(close, C.Connection.Close) and close.reply_code == 530
 
 

@@ -312,7 +312,7 @@ def test_ttl_expires_on_ticks_and_dead_letters() -> None:
     dead = [e.msg for e in qs["dlq"].messages]
     assert [m.body for m in dead] == [b"short", b"queue-ttl"]
     assert dead[0].headers()["x-death"][0]["reason"] == "expired"
-    assert dead[0].headers()["original-expiration"] == "100"
+    assert dead[0].headers()["x-death"][0]["original-expiration"] == "100"
 
 
 def test_invalid_expiration_is_406() -> None:

@@ -83,6 +83,7 @@ IDX_CONNECTION_TUNE_OK = _M.Connection.TuneOk.index
 IDX_CONNECTION_OPEN = _M.Connection.Open.index
 IDX_CONNECTION_CLOSE = _M.Connection.Close.index
 IDX_CONNECTION_CLOSE_OK = _M.Connection.CloseOk.index
+IDX_CONNECTION_UPDATE_SECRET = _M.Connection.UpdateSecret.index
 
 # How long (ms of cluster time) a connection we closed may take to answer close-ok.
 CLOSE_TIMEOUT_MS = 3000
@@ -573,6 +574,11 @@ class Broker:
             self._send_method(conn, 0, commands.Connection.CloseOk())
             self._drop_connection(conn, "client closed the connection", notify=True)
             return
+        if index == IDX_CONNECTION_UPDATE_SECRET and state == E.OPEN:
+            # RabbitMQ extension (10.70): users here have no expiring credentials, so, as
+            # RabbitMQ's internal user store, acknowledge it.
+            self._send_method(conn, 0, commands.Connection.UpdateSecretOk())
+            return
         expected = {
             E.AWAIT_START_OK: IDX_CONNECTION_START_OK,
             E.AWAIT_TUNE_OK: IDX_CONNECTION_TUNE_OK,
@@ -756,10 +762,11 @@ class Broker:
                     class_id=cls_id,
                     method_id=index & 0xFFFF,
                 )
-            if ch > conn.channel_max:
+            if len(conn.channels) >= conn.channel_max:
                 raise ConnectionError_(
                     R.NOT_ALLOWED,
-                    f"channel {ch} is above the negotiated channel_max ({conn.channel_max})",
+                    f"number of channels opened ({len(conn.channels)}) has reached the "
+                    f"negotiated channel_max ({conn.channel_max})",
                     class_id=cls_id,
                     method_id=index & 0xFFFF,
                 )
@@ -834,18 +841,31 @@ class Broker:
     def _vhost(self, conn: Connection) -> VHost:
         return self.vhosts[conn.vhost]
 
+    def _queue_name(self, conn: Connection, ch: Channel, name: str) -> str:
+        """Spec: an empty queue name means the last queue declared on the channel."""
+        if name == "":
+            if not ch.last_queue:
+                raise ChannelError(
+                    R.NOT_FOUND, f"no previously declared queue in vhost '{conn.vhost}'"
+                )
+            return ch.last_queue
+        return name
+
     def _queue(self, conn: Connection, ch: Channel, name: str) -> Queue:
         vh = self._vhost(conn)
-        if name == "":
-            raise ChannelError(R.NOT_FOUND, f"no previously declared queue in vhost '{vh.name}'")
+        name = self._queue_name(conn, ch, name)
         q = vh.queues.get(name)
         if q is None:
             raise ChannelError(R.NOT_FOUND, f"no queue '{name}' in vhost '{vh.name}'")
         self._check_exclusive(conn, q)
         return q
 
-    def _check_exclusive(self, conn: Connection, q: Queue) -> None:
-        if q.exclusive_owner is not None and q.exclusive_owner != conn.id:
+    def _check_exclusive(self, conn: Connection, q: Queue, exclusive: bool | None = None) -> None:
+        """405 unless ``conn`` may use ``q``; on a redeclare (``exclusive`` given) the flag must
+        also match, as RabbitMQ's check_exclusivity."""
+        if (q.exclusive_owner is not None and q.exclusive_owner != conn.id) or (
+            exclusive is not None and exclusive != (q.exclusive_owner is not None)
+        ):
             raise ChannelError(
                 R.RESOURCE_LOCKED,
                 f"cannot obtain exclusive access to locked queue '{q.name}' in vhost "
@@ -873,6 +893,10 @@ class Broker:
         name = m.exchange
         ex = vh.exchanges.get(name)
         if m.passive:
+            if name == "":
+                raise ChannelError(
+                    R.ACCESS_REFUSED, "operation not permitted on the default exchange"
+                )
             if ex is None:
                 raise ChannelError(R.NOT_FOUND, f"no exchange '{name}' in vhost '{vh.name}'")
         else:
@@ -1004,10 +1028,9 @@ class Broker:
                 # Every queue is bound to the default exchange by its name (implicitly).
             else:
                 q = existing
-                self._check_exclusive(conn, q)
+                self._check_exclusive(conn, q, bool(m.exclusive))
                 for field, new, old in (
                     ("durable", m.durable, q.durable),
-                    ("exclusive", m.exclusive, q.exclusive_owner is not None),
                     ("auto_delete", m.auto_delete, q.auto_delete),
                 ):
                     if new != old:
@@ -1029,6 +1052,7 @@ class Broker:
                             f"{_fmt(q.arguments.get(key))}",
                         )
                 q.last_used_ms = self.now_ms
+        ch.last_queue = q.name
         if not m.nowait:
             self._send_method(
                 conn,
@@ -1053,7 +1077,7 @@ class Broker:
 
     def _q_unbind(self, conn: Connection, ch: Channel, m: Any) -> None:
         vh = self._vhost(conn)
-        q = vh.queues.get(m.queue)
+        q = vh.queues.get(self._queue_name(conn, ch, m.queue))
         ex = vh.exchanges.get(m.exchange)
         if m.exchange == "":
             raise ChannelError(R.ACCESS_REFUSED, "operation not permitted on the default exchange")
@@ -1077,7 +1101,7 @@ class Broker:
 
     def _q_delete(self, conn: Connection, ch: Channel, m: Any) -> None:
         vh = self._vhost(conn)
-        q = vh.queues.get(m.queue)
+        q = vh.queues.get(self._queue_name(conn, ch, m.queue))
         count = 0
         if q is not None:
             self._check_exclusive(conn, q)
@@ -1090,9 +1114,12 @@ class Broker:
                     R.PRECONDITION_FAILED, f"queue '{q.name}' in vhost '{vh.name}' is not empty"
                 )
             count = len(q.messages)
-            self._delete_queue(q)
         if not m.nowait:
             self._send_method(conn, ch.id, commands.Queue.DeleteOk(message_count=count))
+        if q is not None:
+            # After delete-ok, as RabbitMQ: consumers' basic.cancel must not arrive while the
+            # deleting client waits for delete-ok (py-amqp raises ConsumerCancelled then).
+            self._delete_queue(q)
 
     def _delete_queue(self, q: Queue) -> None:
         vh = self.vhosts[q.vhost]
@@ -1866,7 +1893,9 @@ def _dead_letter_header(msg: Message, q: Queue, reason: str, now_ms: int) -> byt
         headers["x-first-death-queue"] = q.name
         headers["x-first-death-exchange"] = msg.exchange
     if props.expiration is not None:
-        headers["original-expiration"] = props.expiration
+        # RabbitMQ keeps it in the x-death entry just added, not as a top-level header.
+        if "original-expiration" not in deaths[0]:
+            deaths[0]["original-expiration"] = props.expiration
         props.expiration = None
     props.headers = headers
     return bytes(ch.marshal())

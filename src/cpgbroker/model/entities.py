@@ -162,6 +162,8 @@ class Channel:
     confirm_sent: int = 0
     tx: bool = False
     tx_ops: list[tuple[Any, ...]] = attrs.Factory(list)
+    # The last queue declared on this channel: what an empty queue name refers to.
+    last_queue: str = ""
     # A publish whose content is still arriving: [exchange, routing key, mandatory,
     # header payload or None, remaining body bytes, body parts].
     pending: list[Any] | None = None

@@ -322,6 +322,7 @@ def _channel(ch: Channel, qref: Any, entry: Any) -> dict[str, Any]:
         "confirm_sent": ch.confirm_sent,
         "tx": ch.tx,
         "tx_ops": tx_ops,
+        "last_queue": ch.last_queue,
         "pending": pending,
     }
 
@@ -445,6 +446,7 @@ def restore(data: dict[str, Any], config: BrokerConfig | None = None) -> Broker:
                 confirm_pending=chd["confirm_pending"],
                 confirm_sent=chd["confirm_sent"],
                 tx=chd["tx"],
+                last_queue=chd["last_queue"],
             )
             for kd in chd["consumers"]:
                 c = Consumer(

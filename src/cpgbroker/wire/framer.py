@@ -70,7 +70,9 @@ class FrameReader:
         frame_type, channel, size = _unpack_head(buf, pos)
         if frame_type not in FRAME_TYPES:
             raise FrameError(f"unknown frame type {frame_type}")
-        if size + FRAME_OVERHEAD > self.frame_max:
+        # RabbitMQ tolerates payloads up to frame_max (FRAME_SIZE_FUDGE = 8): rabbitpy and
+        # amqpstorm cut bodies at frame_max instead of frame_max - 8.
+        if size > self.frame_max:
             raise FrameError(
                 f"frame size {size + FRAME_OVERHEAD} larger than negotiated maximum "
                 f"{self.frame_max}"

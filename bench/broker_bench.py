@@ -1,0 +1,178 @@
+"""Broker throughput and latency, side by side with RabbitMQ in one run; prints JSON.
+
+    python bench/broker_bench.py                      # standalone cpgbroker only
+    python bench/broker_bench.py --rabbitmq           # + RabbitMQ single node, same configs
+    python bench/broker_bench.py --cluster            # 3-member cluster (root: namespaces)
+    python bench/broker_bench.py --cluster --rabbitmq # + RabbitMQ 3-node quorum queues
+
+Load comes from the shared ``amqp_load.py`` (its raw client costs ~20 us per message, so the
+broker is what is measured); RabbitMQ nodes from the shared ``rabbitmq_baseline.sh`` (private
+nodes under /tmp, stopped afterwards). Each configuration reports consume msg/s, latency
+percentiles, broker CPU per message (all broker processes), and the ratio to RabbitMQ.
+Never run two benchmarks at once on a 2-core machine: the numbers would measure each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+STANDALONE = {
+    "a_1p1c_1K_noconf": ["--size", "1024"],
+    "b_1p1c_1K_confirm": ["--size", "1024", "--confirm"],
+    "b_1p1c_64B_confirm": ["--size", "64", "--confirm"],
+    "d_4p4c_1K_confirm": ["--size", "1024", "--confirm", "--producers", "4", "--consumers", "4"],
+    "e_rate1000_1K_confirm": ["--size", "1024", "--confirm", "--rate", "1000"],
+}
+CLUSTER = {
+    "q_1p1c_1K_confirm": ["--size", "1024", "--confirm"],
+    "q_1p1c_64B_confirm": ["--size", "64", "--confirm"],
+    "q_4p4c_1K_confirm": ["--size", "1024", "--confirm", "--producers", "4", "--consumers", "4"],
+    "q_rate1000_1K_confirm": ["--size", "1024", "--confirm", "--rate", "1000"],
+    "q_1p1c_64K_confirm": ["--size", "65536", "--confirm", "--inflight", "64"],
+}
+
+
+def load(shared: Path, urls: list[str], pids: list[int], args: list[str], secs: float) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [sys.executable, str(shared / "bench" / "amqp_load.py"), "--json-out", out]
+    cmd += [a for u in urls for a in ("--url", u)]
+    cmd += [a for p in pids for a in ("--broker-pid", str(p))]
+    cmd += ["--seconds", str(secs), "--queue", "bench_q", *args]
+    subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600, check=False)
+    try:
+        return dict(json.loads(Path(out).read_text()))
+    finally:
+        os.unlink(out)
+
+
+def summary(r: dict[str, Any]) -> dict[str, Any]:
+    cpu = r.get("cpu", {})
+    lat = r.get("latency_ms") or {}
+    return {
+        "ok": r.get("ok"),
+        "consume_msg_s": r.get("consume_rate"),
+        "p50_ms": lat.get("p50"),
+        "p99_ms": lat.get("p99"),
+        "broker_us_per_msg": cpu.get("broker_us_per_msg"),
+        "broker_cores": cpu.get("broker_cores"),
+        "client_us_per_msg": cpu.get("client_us_per_msg"),
+    }
+
+
+def run_ours_standalone(shared: Path, secs: float) -> dict[str, Any]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cpgbroker", "start", "--listen", "127.0.0.1:0"],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stderr is not None
+    port = None
+    for line in proc.stderr:
+        m = re.search(r"listening host=\S+ port=(\d+)", line)
+        if m:
+            port = int(m.group(1))
+            break
+    assert port is not None, "broker did not start"
+    url = f"amqp://guest:guest@127.0.0.1:{port}/"
+    out = {}
+    try:
+        for name, args in STANDALONE.items():
+            out[name] = summary(load(shared, [url], [proc.pid], args, secs))
+            print(f"cpgbroker {name}: {out[name]}", file=sys.stderr)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    return out
+
+
+def run_ours_cluster(shared: Path, secs: float) -> dict[str, Any]:
+    from cpgbroker.devbrokers import BrokerSet
+    from cpgbroker.devcluster import DevCluster
+
+    dc = DevCluster(3, prefix=f"bench-{os.getpid() % 100000}", token_ms=3000)
+    out = {}
+    with dc:
+        dc.up()
+        brokers = BrokerSet(dc, event_log=False)
+        brokers.start_all()
+        urls = [brokers.url(n) for n in (1, 2, 3)]
+        pids = [p.pid for p in brokers.procs.values()]
+        try:
+            for name, args in CLUSTER.items():
+                out[name] = summary(load(shared, urls, pids, args, secs))
+                print(f"cpgbroker cluster {name}: {out[name]}", file=sys.stderr)
+            out["converged_digest"] = brokers.converged([1, 2, 3], timeout=60)
+        finally:
+            brokers.stop_all()
+    return out
+
+
+def run_rabbitmq(shared: Path, phase: str, secs: float, names: list[str]) -> dict[str, Any]:
+    base = Path(tempfile.mkdtemp(prefix="rmq-bench-"))
+    env = dict(
+        os.environ,
+        REPS="1",
+        SECS=str(int(secs)),
+        RATE_SECS=str(int(secs)),
+        RMQ_BENCH_BASE=str(base),
+        BENCH_PORT="5790",
+    )
+    script = shared / "bench" / "rabbitmq_baseline.sh"
+    subprocess.run(["bash", str(script), "install"], env=env, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["bash", str(script), phase], env=env, check=False, stdout=subprocess.DEVNULL)
+    out = {}
+    for name in names:
+        f = base / "results" / phase / f"{name}__r1.json"
+        if f.exists():
+            out[name] = summary(json.loads(f.read_text()))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cluster", action="store_true", help="3-member cluster instead of standalone")
+    ap.add_argument("--rabbitmq", action="store_true", help="also measure RabbitMQ")
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--shared", type=Path, default=ROOT.parent / "shared")
+    args = ap.parse_args()
+    started = time.time()
+    if args.cluster:
+        ours = run_ours_cluster(args.shared, args.seconds)
+        names = list(CLUSTER)
+    else:
+        ours = run_ours_standalone(args.shared, args.seconds)
+        names = list(STANDALONE)
+    result: dict[str, Any] = {"mode": "cluster" if args.cluster else "standalone", "cpgbroker": ours}
+    if args.rabbitmq:
+        rmq = run_rabbitmq(args.shared, "cluster" if args.cluster else "single", args.seconds, names)
+        result["rabbitmq"] = rmq
+        ratios = {}
+        for name in names:
+            a, b = ours.get(name), rmq.get(name)
+            if a and b and a.get("consume_msg_s") and b.get("consume_msg_s"):
+                ratios[name] = {
+                    "throughput_x": round(a["consume_msg_s"] / b["consume_msg_s"], 2),
+                    "p99_ms": [a.get("p99_ms"), b.get("p99_ms")],
+                    "cpu_us_per_msg": [a.get("broker_us_per_msg"), b.get("broker_us_per_msg")],
+                }
+        result["ratio_vs_rabbitmq"] = ratios
+    result["seconds_total"] = round(time.time() - started, 1)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
