@@ -39,7 +39,7 @@ def test_batch_round_trip_keeps_order_and_content() -> None:
         CloseClient(conn, 320, "bye"),
         ClientDisconnected(conn, "gone é"),
         Tick(1_700_000_000_123),
-        Hello(M, STATUS_READY, 1, DIGEST, "amqp://10.0.0.1:5672/", "cpgbroker 0.1.0"),
+        Hello(M, STATUS_READY, 1, DIGEST, "amqp://10.0.0.1:5672/", "cpgbroker 0.1.0", 1234567),
         Checkpoint(M, 10_000, DIGEST),
     ]
     blob = codec.HEADER + b"".join(codec.encode(e) for e in events)
@@ -60,7 +60,7 @@ def test_truncated_batches_are_cluster_errors(cut: int) -> None:
 
 
 def hello(m: int, status: int = STATUS_NEW, digest: bytes = DIGEST, version: int = 1) -> Hello:
-    return Hello(m, status, version, digest, f"amqp://m{m}/", "x")
+    return Hello(m, status, version, digest, f"amqp://m{m}/", "x", 1000 * m)
 
 
 def start(me: int, size: int = 3) -> Membership:
@@ -98,6 +98,7 @@ def test_members_starting_together_become_ready_at_the_same_event() -> None:
             if any(isinstance(a, BecomeReady) for a in acts):
                 ready_at[m] = i
     assert ready_at == {1: 8, 2: 8, 3: 8}
+    # Cluster time starts at the latest hello clock, before anything else reaches the model.
     assert all(v.state == READY for v in views.values())
     assert views[2].clock_master == 1
     assert views[3].urls() == ("amqp://m1/", "amqp://m2/", "amqp://m3/")
@@ -162,3 +163,12 @@ def test_checkpoint_tie_goes_to_the_lowest_member_and_leavers_do_not_block() -> 
     cp.record(6, 2, b"z", [1, 2, 3])
     [v] = cp.members_changed([1, 2])
     assert v.agreed and v.seq == 6
+
+
+def test_cluster_time_starts_before_any_client_event_at_the_latest_hello_clock() -> None:
+    view = start(1, size=2)
+    view.on_confchg([1, 2], [1], [])
+    view.on_hello(hello(2))  # clock 2000
+    acts = view.on_hello(hello(1))  # clock 1000
+    assert acts[0] == ApplyToModel(Tick(2000))
+    assert isinstance(acts[1], BecomeReady)

@@ -60,6 +60,9 @@ class Hello:
     config_digest: bytes
     url: str
     software: str
+    # The sender's clock (ms) when it said hello: members becoming ready start cluster time at
+    # the latest of these, so the first client event never sees time jump from zero.
+    now_ms: int = 0
 
 
 @attrs.frozen
@@ -135,6 +138,7 @@ def encode(ev: Any) -> bytes:
             + bytes(ev.config_digest)
             + _str(ev.url)
             + _str(ev.software)
+            + _U64.pack(ev.now_ms)
         )
     if t is Checkpoint:
         return (
@@ -205,7 +209,9 @@ def decode_batch(data: bytes, sender: int) -> list[Any]:
                 digest = bytes(data[p + 12 : p + 12 + dlen])
                 url, p = _read_str(data, p + 12 + dlen)
                 software, p = _read_str(data, p)
-                out.append(Hello(member, status, version, digest, url, software))
+                now_ms = _U64.unpack_from(data, p)[0]
+                p += 8
+                out.append(Hello(member, status, version, digest, url, software, now_ms))
                 continue
             if t == T_CHECKPOINT:
                 member, seq = struct.unpack_from(">QQ", data, p)

@@ -10,7 +10,8 @@ member makes the same decision at the same point.
   join with ``Hello(status=ready)``.
 * Start-up: members that are all new become ready together at the event where the last of at
   least ``size`` members' hellos is delivered. They all start from the empty initial state and
-  no client event precedes that point, so their states are equal.
+  no client event precedes that point, so their states are equal. Cluster time starts there at
+  the latest clock any hello carried (a ``Tick`` applied before any client event).
 * A newcomer that hears a ready member's hello needs a state update (``NeedUpdate``); one that
   hears an incompatible hello (another model version or configuration) is refused (``Fatal``).
 * A member leaving (CPG confchg) becomes ``MemberLeft`` for the model, so every replica closes
@@ -28,7 +29,7 @@ from typing import Any
 import attrs
 
 from cpgbroker.cluster.codec import STATUS_NEW, STATUS_READY, Hello
-from cpgbroker.model.events import ClusterMembers, MemberLeft
+from cpgbroker.model.events import ClusterMembers, MemberLeft, Tick
 
 JOINING = "joining"
 READY = "ready"
@@ -72,6 +73,7 @@ class MemberInfo:
     status: int | None = None
     url: str = ""
     software: str = ""
+    now_ms: int = 0
 
 
 class Membership:
@@ -163,6 +165,7 @@ class Membership:
             return []
         info.url = h.url
         info.software = h.software
+        info.now_ms = h.now_ms
         if h.member == self.me:
             if info.status is None:
                 info.status = h.status
@@ -190,4 +193,9 @@ class Membership:
         for i in self.members.values():
             i.status = STATUS_READY
         self.state = READY
-        return [BecomeReady(), ApplyToModel(ClusterMembers(self.urls()))]
+        start = max(i.now_ms for i in self.members.values())
+        return [
+            ApplyToModel(Tick(start)),
+            BecomeReady(),
+            ApplyToModel(ClusterMembers(self.urls())),
+        ]

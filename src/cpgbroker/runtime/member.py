@@ -239,6 +239,7 @@ class ClusterNode(Node):
                             self.membership.config_digest,
                             self.cluster_cfg.url,
                             f"cpgbroker {__version__}",
+                            self.now_ms(),
                         )
                     )
                 )
@@ -410,10 +411,18 @@ async def serve_member(
                     log.info("listening host=%s port=%s", addr[0], addr[1])
                 if config.admin_listen:
                     await nursery.start(admin.serve_admin, config.admin_listen, node.status)
-                nursery.start_soon(trio.serve_listeners, node.handle, listeners)
+                accept_scope = trio.CancelScope()
+
+                async def accept() -> None:
+                    with accept_scope:
+                        await trio.serve_listeners(node.handle, listeners, handler_nursery=nursery)
+
+                nursery.start_soon(accept)
                 task_status.started(bound)
                 await _wait_for_signal()
                 log.info("stopping member=%s", me)
+                # Stop accepting before closing the listeners the accept loop waits on.
+                accept_scope.cancel()
                 for lst in listeners:
                     await lst.aclose()
                 await node.close_all(int(ReplyCode.CONNECTION_FORCED), "broker shutdown")

@@ -387,13 +387,23 @@ def main(config_path: str | None, listen: str | None) -> int:
 
     try:
         trio.run(_main_async, cfg)
-    except OSError as e:
-        log.error("cannot serve: %s", e)
-        return 1
-    except (ClusterError, CpgError) as e:
-        log.error("stopped: %s", e)
-        return 3
+    except Exception as e:
+        # trio nurseries wrap errors in exception groups; report the one that happened.
+        leaf = _single_leaf(e)
+        if isinstance(leaf, OSError):
+            log.error("cannot serve: %s", leaf)
+            return 1
+        if isinstance(leaf, (ClusterError, CpgError)):
+            log.error("stopped: %s", leaf)
+            return 3
+        raise
     return 0
+
+
+def _single_leaf(e: BaseException) -> BaseException:
+    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+        e = e.exceptions[0]
+    return e
 
 
 async def _main_async(cfg: ServerConfig) -> Any:

@@ -1,0 +1,205 @@
+"""One broker per node of a :class:`~cpgbroker.devcluster.DevCluster`: a local cluster of
+cpgbroker members for development, tests and the demo.
+
+Each broker process runs in the host's network namespace, so its AMQP port and status
+endpoint are on loopback where clients on this machine reach them, while its CPG handle is
+opened inside its node's namespace (``[cluster] netns``) and so talks to that node's corosync.
+Killing a node therefore looks to the others exactly like a machine failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from cpgbroker.devcluster import DevCluster, DevClusterError
+
+PROCESS = "broker"
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports. The probe sockets stay open until all are chosen:
+    probing one at a time can return the same port twice."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class BrokerSet:
+    def __init__(
+        self,
+        dc: DevCluster,
+        *,
+        group: str | None = None,
+        ports: dict[int, tuple[int, int]] | None = None,
+        extra_config: str = "",
+        python: str = sys.executable,
+        event_log: bool = True,
+        name: str = PROCESS,
+    ) -> None:
+        self.dc = dc
+        # Names this set's processes and files in each node directory, so that several sets
+        # (several clusters of brokers) can share one corosync cluster.
+        self.name = name
+        self.group = group or f"cpgbroker-{dc.prefix}"
+        self.python = python
+        self.extra_config = extra_config
+        self.event_log = event_log
+        # nodeid -> (amqp port, status port) on 127.0.0.1
+        if ports is None:
+            free = free_ports(2 * len(dc.nodes))
+            ports = {n.nodeid: (free[2 * i], free[2 * i + 1]) for i, n in enumerate(dc.nodes)}
+        self.ports = ports
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    # -- addresses
+    def url(self, nodeid: int) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.ports[nodeid][0]}/"
+
+    def admin(self, nodeid: int) -> str:
+        return f"http://127.0.0.1:{self.ports[nodeid][1]}/status"
+
+    def log_path(self, nodeid: int) -> Path:
+        return Path(self.dc.node(nodeid).dir) / f"{self.name}.log"
+
+    def event_log_path(self, nodeid: int) -> Path:
+        return Path(self.dc.node(nodeid).dir) / f"{self.name}.events.jsonl"
+
+    def config_path(self, nodeid: int) -> Path:
+        return Path(self.dc.node(nodeid).dir) / f"{self.name}.toml"
+
+    # -- lifecycle
+    def write_config(self, nodeid: int) -> Path:
+        amqp, admin = self.ports[nodeid]
+        lines = [
+            "[server]",
+            f'listen = ["127.0.0.1:{amqp}"]',
+            f'admin = "127.0.0.1:{admin}"',
+            "shutdown_grace = 2.0",
+            "",
+            "[cluster]",
+            f'group = "{self.group}"',
+            f"size = {self.dc.size}",
+            f'url = "amqp://127.0.0.1:{amqp}/"',
+            f'netns = "{self.dc.netns(nodeid)}"',
+            "ready_timeout = 60",
+        ]
+        if self.event_log:
+            lines.append(f'event_log = "{self.event_log_path(nodeid)}"')
+        path = self.config_path(nodeid)
+        path.write_text("\n".join(lines) + "\n" + self.extra_config)
+        return path
+
+    def start(self, nodeid: int) -> subprocess.Popen[bytes]:
+        cfg = self.write_config(nodeid)
+        env = dict(os.environ)
+        with open(self.log_path(nodeid), "ab") as log:
+            proc = subprocess.Popen(
+                [self.python, "-m", "cpgbroker", "start", "--config", str(cfg)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+        self.procs[nodeid] = proc
+        # Recorded with the node so that `devcluster down` (and crash cleanup) kills it too.
+        self.dc.adopt_process(nodeid, self.name, proc)
+        return proc
+
+    def start_all(self, timeout: float = 60.0) -> None:
+        for n in self.dc.nodes:
+            self.start(n.nodeid)
+        self.wait_ready([n.nodeid for n in self.dc.nodes], timeout)
+
+    def wait_ready(self, nodes: list[int], timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(nodes)
+        while pending:
+            for n in list(pending):
+                proc = self.procs.get(n)
+                if proc is not None and proc.poll() is not None:
+                    raise DevClusterError(
+                        f"broker on node {n} exited with {proc.returncode}; last log lines:\n"
+                        + self.tail(n)
+                    )
+                s = self.status(n)
+                if s is not None and s.get("state") == "ready":
+                    pending.remove(n)
+            if pending and time.monotonic() > deadline:
+                raise DevClusterError(
+                    f"brokers on nodes {pending} not ready after {timeout:.0f} s:\n"
+                    + "\n".join(self.tail(n) for n in pending)
+                )
+            if pending:
+                time.sleep(0.1)
+
+    def kill(self, nodeid: int) -> None:
+        """SIGKILL the broker (its corosync keeps running): a crashed broker process."""
+        proc = self.procs.get(nodeid)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+
+    def stop(self, nodeid: int, timeout: float = 10.0) -> int | None:
+        proc = self.procs.get(nodeid)
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        return proc.returncode
+
+    def stop_all(self) -> None:
+        for n in list(self.procs):
+            self.stop(n)
+
+    # -- observation
+    def status(self, nodeid: int, digest: bool = False) -> dict[str, Any] | None:
+        url = self.admin(nodeid) + ("?digest=1" if digest else "")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                data: dict[str, Any] = json.loads(resp.read())
+                return data
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    def converged(self, nodes: list[int], timeout: float = 20.0) -> str:
+        """Wait until ``nodes`` applied the same events and hold the same state; the digest."""
+        deadline = time.monotonic() + timeout
+        last: list[Any] = []
+        while True:
+            stats = [self.status(n, digest=True) for n in nodes]
+            last = [None if s is None else (s["event_seq"], s["digest"]) for s in stats]
+            if all(x is not None for x in last) and len(set(last)) == 1:
+                return str(last[0][1])
+            if time.monotonic() > deadline:
+                raise DevClusterError(f"members {nodes} did not converge: {last}")
+            time.sleep(0.2)
+
+    def tail(self, nodeid: int, lines: int = 15) -> str:
+        try:
+            text = self.log_path(nodeid).read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(text[-lines:])

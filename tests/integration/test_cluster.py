@@ -1,0 +1,361 @@
+"""The replicated broker on a real 3-node corosync cluster in network namespaces, driven by
+real AMQP clients (pika, kombu, raw sockets) on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pika
+import pika.exceptions
+import pytest
+
+from cpgbroker.devbrokers import BrokerSet
+from cpgbroker.devcluster import DevCluster
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def brokers(cluster: DevCluster) -> Iterator[BrokerSet]:
+    """A fresh 3-member broker cluster (its own CPG group) on the shared corosync cluster."""
+    group = f"t{uuid.uuid4().hex[:10]}"
+    bs = BrokerSet(cluster, group=group, name=f"broker-{group}")
+    try:
+        bs.start_all(timeout=60)
+        yield bs
+    finally:
+        bs.stop_all()
+        for n in (1, 2, 3):  # shown by pytest only when the test failed
+            print(f"--- broker {n} log\n{bs.tail(n, 40)}")
+
+
+_OPEN: list[pika.BlockingConnection] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    """Every client connection a test opened is closed after it (also those whose member
+    died), so no socket outlives its test."""
+    yield
+    while _OPEN:
+        conn = _OPEN.pop()
+        with contextlib.suppress(Exception):
+            if conn.is_open:
+                conn.close()
+        with contextlib.suppress(Exception):
+            conn._impl._transport._sock.close()  # the member may have died under it
+
+
+def connect(bs: BrokerSet, node: int) -> pika.BlockingConnection:
+    p = pika.URLParameters(bs.url(node))
+    p.socket_timeout = 5
+    p.blocked_connection_timeout = 10
+    conn = pika.BlockingConnection(p)
+    _OPEN.append(conn)
+    return conn
+
+
+def drain(conn: pika.BlockingConnection, until, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < deadline, "timed out waiting for deliveries"
+        conn.process_data_events(0.05)
+
+
+def queues(bs: BrokerSet, node: int) -> dict:
+    s = bs.status(node)
+    assert s is not None
+    return s["queues"]
+
+
+def test_publish_on_one_member_consume_on_the_others(brokers: BrokerSet) -> None:
+    c1 = connect(brokers, 1)
+    ch1 = c1.channel()
+    ch1.confirm_delivery()
+    ch1.exchange_declare("orders", "topic")
+    ch1.queue_declare("eu")
+    ch1.queue_bind("eu", "orders", "order.eu.*")
+    for i in range(50):
+        ch1.basic_publish("orders", f"order.eu.{i % 3}", b"%d" % i)
+    ch1.basic_publish("orders", "order.us.1", b"unrouted")
+    digest = brokers.converged([1, 2, 3])
+    for n in (1, 2, 3):
+        assert queues(brokers, n)["/:eu"] == {"ready": 50, "unacked": 0, "consumers": 0}
+    got: dict[int, list[bytes]] = {2: [], 3: []}
+    conns = {n: connect(brokers, n) for n in (2, 3)}
+    for n, c in conns.items():
+        ch = c.channel()
+        ch.basic_qos(prefetch_count=5)
+        ch.basic_consume(
+            "eu", lambda ch_, m, p, b, n=n: (got[n].append(b), ch_.basic_ack(m.delivery_tag))
+        )
+    deadline = time.monotonic() + 15
+    while len(got[2]) + len(got[3]) < 50:
+        assert time.monotonic() < deadline
+        for c in conns.values():
+            c.process_data_events(0.02)
+    # Competing consumers on different members: disjoint, complete, no duplicates.
+    assert not set(got[2]) & set(got[3])
+    assert sorted(got[2] + got[3], key=int) == [b"%d" % i for i in range(50)]
+    assert got[2] and got[3]
+    assert brokers.converged([1, 2, 3]) != digest
+    for n in (1, 2, 3):
+        assert queues(brokers, n)["/:eu"]["ready"] == 0
+
+
+def _mixed_client(url: str, idx: int, errors: list[str]) -> None:
+    try:
+        p = pika.URLParameters(url)
+        p.socket_timeout = 5
+        conn = pika.BlockingConnection(p)
+        _OPEN.append(conn)
+        ch = conn.channel()
+        q = f"mixed-{idx % 3}"
+        ch.queue_declare(q)
+        ch.exchange_declare("mixed-fan", "fanout")
+        ch.queue_bind(q, "mixed-fan")
+        if idx % 2:
+            ch.confirm_delivery()
+        else:
+            ch.tx_select()
+        for i in range(30):
+            ch.basic_publish("mixed-fan" if i % 4 == 0 else "", q, b"m")
+            if idx % 2 == 0 and i % 5 == 4:
+                ch.tx_commit()
+        if idx % 2 == 0:
+            ch.tx_commit()
+        for _ in range(10):
+            m, _props, _body = ch.basic_get(q)
+            if m is None:
+                continue
+            if m.delivery_tag % 3 == 0:
+                ch.basic_nack(m.delivery_tag, requeue=True)
+            elif m.delivery_tag % 3 == 1:
+                ch.basic_reject(m.delivery_tag, requeue=False)
+            else:
+                ch.basic_ack(m.delivery_tag)
+        if idx % 2 == 0:
+            ch.tx_commit()
+        conn.close()
+    except Exception as e:  # reported to the test
+        errors.append(f"client {idx}: {e!r}")
+
+
+def test_ten_concurrent_mixed_clients_keep_replicas_identical(brokers: BrokerSet) -> None:
+    errors: list[str] = []
+    threads = [
+        threading.Thread(target=_mixed_client, args=(brokers.url(1 + i % 3), i, errors))
+        for i in range(10)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    brokers.converged([1, 2, 3])
+    depths = [queues(brokers, n) for n in (1, 2, 3)]
+    assert depths[0] == depths[1] == depths[2]
+    assert sum(q["ready"] for q in depths[0].values()) > 0
+
+
+def test_killed_member_unacked_messages_are_redelivered_on_survivors(brokers: BrokerSet) -> None:
+    c1 = connect(brokers, 1)
+    ch1 = c1.channel()
+    ch1.confirm_delivery()
+    ch1.queue_declare("jobs")
+    c3 = connect(brokers, 3)
+    ch3 = c3.channel()
+    ch3.basic_qos(prefetch_count=10)
+    held: list[bytes] = []
+    ch3.basic_consume("jobs", lambda c, m, p, b: held.append(b))
+    confirmed = []
+    for i in range(30):
+        ch1.basic_publish("", "jobs", b"%d" % i)  # returns once confirmed
+        confirmed.append(b"%d" % i)
+    drain(c3, lambda: len(held) == 10)
+    brokers.kill(3)  # kill -9 the member with 10 unacked deliveries
+    c2 = connect(brokers, 2)
+    ch2 = c2.channel()
+    got: list[tuple[bytes, bool]] = []
+    ch2.basic_consume(
+        "jobs", lambda c, m, p, b: (got.append((b, m.redelivered)), c.basic_ack(m.delivery_tag))
+    )
+    drain(c2, lambda: len(got) >= 30)
+    assert sorted(b for b, _ in got) == sorted(confirmed)  # at least once: nothing lost
+    redelivered = {b for b, r in got if r}
+    assert redelivered == set(held)
+    brokers.converged([1, 2])
+    s = brokers.status(1)
+    assert s is not None and len(s["members"]) == 2
+
+
+def test_node_failure_closes_its_clients_everywhere_and_cluster_continues(
+    brokers: BrokerSet, cluster: DevCluster
+) -> None:
+    c2 = connect(brokers, 2)
+    ch2 = c2.channel()
+    ch2.queue_declare("survive")
+    ch2.basic_consume("survive", lambda *a: None)
+    assert queues(brokers, 1)["/:survive"]["consumers"] == 1
+    cluster.kill(2)  # corosync of node 2 dies: a machine failure as the others see it
+    deadline = time.monotonic() + 15
+    while queues(brokers, 1)["/:survive"]["consumers"] != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    # The broker on the dead node stops by itself (its corosync is gone).
+    assert brokers.procs[2].wait(15) != 0
+    c1 = connect(brokers, 1)
+    ch1 = c1.channel()
+    ch1.confirm_delivery()
+    ch1.basic_publish("", "survive", b"after")
+    brokers.converged([1, 3])
+
+
+def test_ttl_and_expiry_act_identically_even_when_the_clock_master_dies(
+    brokers: BrokerSet,
+) -> None:
+    master = brokers.status(1)["clock_master"]  # type: ignore[index]
+    members = {brokers.status(n)["member"]: n for n in (1, 2, 3)}  # type: ignore[index]
+    master_node = members[master]
+    other = next(n for n in (1, 2, 3) if n != master_node)
+    c = connect(brokers, other)
+    ch = c.channel()
+    ch.queue_declare("ttl", arguments={"x-message-ttl": 1500})
+    ch.queue_declare("tmp", arguments={"x-expires": 2500})
+    ch.confirm_delivery()
+    for _ in range(5):
+        ch.basic_publish("", "ttl", b"x")
+    brokers.kill(master_node)
+    survivors = [n for n in (1, 2, 3) if n != master_node]
+    deadline = time.monotonic() + 20
+    while True:
+        qs = [queues(brokers, n) for n in survivors]
+        if all(q.get("/:ttl", {}).get("ready") == 0 and "/:tmp" not in q for q in qs):
+            break
+        assert time.monotonic() < deadline, qs
+        time.sleep(0.2)
+    new_master = brokers.status(survivors[0])["clock_master"]  # type: ignore[index]
+    assert new_master != master and new_master in members
+    brokers.converged(survivors)
+
+
+def test_malformed_frame_closes_that_client_on_every_member_and_nothing_else(
+    brokers: BrokerSet,
+) -> None:
+    good = connect(brokers, 2)
+    gch = good.channel()
+    gch.queue_declare("steady")
+    port = int(brokers.url(1).rsplit(":", 1)[1].strip("/"))
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"AMQP\x00\x00\x09\x01")
+        time.sleep(0.3)
+        s.recv(4096)  # connection.start
+        s.sendall(b"\x07\x00\x00\x00\x00\x00\x00\xce")  # unknown frame type
+        data = b""
+        while True:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    assert b"FRAME_ERROR" in data
+    brokers.converged([1, 2, 3])
+    for n in (1, 2, 3):
+        s = brokers.status(n)
+        assert s is not None
+        assert s["connections"]["local"] + s["connections"]["shadow"] == 1
+    gch.basic_publish("", "steady", b"still fine")
+    _m, _p, body = gch.basic_get("steady", auto_ack=True)
+    assert body == b"still fine"
+
+
+def test_clients_fail_over_with_the_documented_examples(brokers: BrokerSet) -> None:
+    brokers.kill(1)
+    time.sleep(1)
+    urls = [brokers.url(n) for n in (1, 2, 3)]  # the first one is dead
+    env = dict(os.environ)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "docs/examples/pika_failover.py"), *urls],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "consumed 100 distinct messages" in out.stdout
+    kombu_url = ";".join(u + "/" for u in urls)  # kombu spells vhost "/" as a second slash
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "docs/examples/kombu_failover.py"), kombu_url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "received [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]" in out.stdout
+
+
+def test_member_list_reaches_clients(brokers: BrokerSet) -> None:
+    c = connect(brokers, 2)
+    props = c._impl.server_properties  # what connection.start carried
+    assert set(props["cluster_members"].split()) == {
+        f"amqp://127.0.0.1:{brokers.ports[n][0]}/" for n in (1, 2, 3)
+    }
+    ch = c.channel()
+    q = ch.queue_declare("", exclusive=True).method.queue
+    ch.queue_bind(q, "amq.failover")
+    m, p, body = ch.basic_get(q, auto_ack=True)
+    assert len(body.decode().split("\n")) == 3
+    brokers.kill(3)
+    deadline = time.monotonic() + 15
+    while True:
+        m, p, body = ch.basic_get(q, auto_ack=True)
+        if m is not None:
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert len(body.decode().split("\n")) == 2
+    assert p.headers["members"] == body.decode().split("\n")
+
+
+def test_a_member_joining_a_serving_cluster_refuses_with_a_clear_reason(brokers: BrokerSet) -> None:
+    extra = BrokerSet(brokers.dc, group=brokers.group, name="late-joiner")
+    proc = extra.start(1)
+    assert proc.wait(30) == 3, extra.tail(1, 40)
+    assert "needs a state update" in extra.tail(1, 40)
+    brokers.converged([1, 2, 3])
+
+
+def test_status_command_shows_members_and_queues(brokers: BrokerSet) -> None:
+    c = connect(brokers, 1)
+    c.channel().queue_declare("visible")
+    out = subprocess.run(
+        [sys.executable, "-m", "cpgbroker", "status", "--url", brokers.admin(2)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "state: ready" in out.stdout
+    assert "queue /:visible" in out.stdout
+    assert "connections: 0 local, 1 shadow" in out.stdout
+    js = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "cpgbroker", "status", "--url", brokers.admin(2), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+    )
+    assert len(js["members"]) == 3 and all(m["status"] == "ready" for m in js["members"])
