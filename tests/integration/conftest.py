@@ -1,0 +1,126 @@
+"""Fixtures for tests against a real corosync cluster in network namespaces.
+
+These tests need root (network namespaces), ``ip`` and corosync. Where that is missing they are
+skipped with the reason, except on CI (``CI=true``), where a skip would hide a broken setup:
+there they fail instead.
+
+Fixtures:
+
+* ``cluster_support``: only the skip-or-fail check, for tests that build their own clusters.
+* ``dev_cluster`` (session): a 3-node :class:`~cpgbroker.devcluster.DevCluster` with token
+  1000 ms, started once. Leftovers of crashed earlier runs are removed first; everything is
+  torn down at the end.
+* ``cluster`` (function): the same cluster, repaired before the test (killed nodes restarted,
+  stopped ones resumed, partitions healed, full quorum), so a test may break it freely.
+* ``cpg_on``: factory ``cpg_on(node, group=None) -> Cpg`` for a joined handle opened inside a
+  node's namespace from this process; closed after the test.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from cpgbroker.devcluster import (
+    DevCluster,
+    check_environment,
+    cleanup_stale_test_clusters,
+    new_test_prefix,
+)
+
+ON_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def _unavailable() -> str | None:
+    problem = check_environment()
+    if problem:
+        return problem
+    try:
+        import cpgbroker.cpg  # noqa: F401
+    except ImportError as e:
+        return str(e)
+    return None
+
+
+def require_cluster_support() -> None:
+    """Skip (or on CI fail) when this machine cannot run a dev cluster."""
+    problem = _unavailable()
+    if problem:
+        message = f"corosync integration tests cannot run here: {problem}"
+        if ON_CI:
+            pytest.fail(message + " (CI=true: a skip would hide this)", pytrace=False)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def cluster_support() -> None:
+    """For tests that make their own clusters: skip (or fail on CI) where none can run."""
+    require_cluster_support()
+
+
+@pytest.fixture(scope="session")
+def dev_cluster(cluster_support: None) -> Iterator[DevCluster]:
+    cleanup_stale_test_clusters()
+    cluster = DevCluster(3, prefix=new_test_prefix(), token_ms=1000, owner_pid=os.getpid())
+    cluster.up(timeout=60)
+    try:
+        yield cluster
+    finally:
+        cluster.down()
+
+
+@pytest.fixture
+def cluster(dev_cluster: DevCluster) -> DevCluster:
+    dev_cluster.repair(timeout=60)
+    return dev_cluster
+
+
+@pytest.fixture
+def cpg_on(cluster: DevCluster, request: pytest.FixtureRequest) -> Iterator[Callable[..., object]]:
+    from cpgbroker.cpg import Cpg
+
+    opened: list[Cpg] = []
+    default_group = f"t-{request.node.name}"[:100].encode()
+
+    def open_handle(node: int, group: bytes | None = None) -> Cpg:
+        handle = Cpg(netns=cluster.netns(node))
+        opened.append(handle)
+        handle.join(group or default_group)
+        return handle
+
+    yield open_handle
+    for handle in opened:
+        if not handle.closed:
+            try:
+                handle.close()
+            except Exception:
+                handle.abandon()
+
+
+def _dispatch_until(
+    handles: list[object], events: list[list[object]], until: Callable[[], bool], timeout: float
+) -> bool:
+    from cpgbroker.cpg import Cpg
+
+    cpgs = [h for h in handles if isinstance(h, Cpg)]
+    deadline = time.monotonic() + timeout
+    while not until():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        live = [c for c in cpgs if not c.closed]
+        ready, _, _ = select.select(live, [], [], min(remaining, 0.05))
+        for c in ready:
+            events[cpgs.index(c)].extend(c.dispatch())
+    return True
+
+
+@pytest.fixture
+def dispatch_until() -> Callable[..., bool]:
+    """``dispatch_until(handles, events, until, timeout)``: dispatch every handle into
+    ``events[i]`` (one list per handle) until ``until()`` is true; False on timeout."""
+    return _dispatch_until
