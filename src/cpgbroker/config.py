@@ -26,6 +26,9 @@ class ClusterConfig:
     netns: str = ""
     # Seconds to wait for ``size`` members before giving up.
     ready_timeout: float = 120.0
+    # Cluster flow control: stop multicasting new client traffic while another member is more
+    # than this many events behind (bounds what corosync buffers for a slow member).
+    max_lag: int = 20_000
 
 
 @attrs.frozen
@@ -129,9 +132,10 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             event_log=str(c.get("event_log", "")),
             netns=str(c.get("netns", "")),
             ready_timeout=float(c.get("ready_timeout", 120.0)),
+            max_lag=int(c.get("max_lag", 20_000)),
         )
         unknown_c = sorted(
-            k for k in c if k not in ("group", "size", "url", "event_log", "netns", "ready_timeout")
+            k for k in c if k not in ("group", "size", "url", "event_log", "netns", "ready_timeout", "max_lag")
         )
         if unknown_c:
             raise ConfigError(f"unknown [cluster] key(s): {', '.join(unknown_c)}")

@@ -9,6 +9,7 @@ Killing a node therefore looks to the others exactly like a machine failure.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -67,6 +68,37 @@ class BrokerSet:
             ports = {n.nodeid: (free[2 * i], free[2 * i + 1]) for i, n in enumerate(dc.nodes)}
         self.ports = ports
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    # -- persistence (for `cpgbroker devcluster` commands run as separate processes)
+    @property
+    def state_file(self) -> Path:
+        return self.dc.base / f"{self.name}.json"
+
+    def save(self) -> None:
+        self.state_file.write_text(
+            json.dumps(
+                {
+                    "group": self.group,
+                    "name": self.name,
+                    "ports": {str(n): list(p) for n, p in self.ports.items()},
+                }
+            )
+        )
+
+    @classmethod
+    def load(cls, dc: DevCluster, name: str = PROCESS) -> BrokerSet | None:
+        path = dc.base / f"{name}.json"
+        if not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        ports = {int(n): (int(p[0]), int(p[1])) for n, p in data["ports"].items()}
+        return cls(dc, group=data["group"], ports=ports, name=data["name"])
+
+    def pid(self, nodeid: int) -> int | None:
+        proc = self.procs.get(nodeid)
+        if proc is not None:
+            return proc.pid
+        return self.dc.node(nodeid).processes.get(self.name)
 
     # -- addresses
     def url(self, nodeid: int) -> str:
@@ -153,9 +185,18 @@ class BrokerSet:
     def kill(self, nodeid: int) -> None:
         """SIGKILL the broker (its corosync keeps running): a crashed broker process."""
         proc = self.procs.get(nodeid)
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(10)
+        if proc is not None:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(10)
+            return
+        pid = self.pid(nodeid)
+        if pid is None:
+            raise DevClusterError(f"node {nodeid} runs no broker")
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def stop(self, nodeid: int, timeout: float = 10.0) -> int | None:
         proc = self.procs.get(nodeid)
@@ -185,17 +226,22 @@ class BrokerSet:
             return None
 
     def converged(self, nodes: list[int], timeout: float = 20.0) -> str:
-        """Wait until ``nodes`` applied the same events and hold the same state; the digest."""
+        """Wait until ``nodes`` applied the same events and hold the same state; the digest.
+
+        Ticks keep arriving, so members are asked at the same moment (one thread each) and
+        asked again until a sample catches them all at the same event.
+        """
         deadline = time.monotonic() + timeout
         last: list[Any] = []
-        while True:
-            stats = [self.status(n, digest=True) for n in nodes]
-            last = [None if s is None else (s["event_seq"], s["digest"]) for s in stats]
-            if all(x is not None for x in last) and len(set(last)) == 1:
-                return str(last[0][1])
-            if time.monotonic() > deadline:
-                raise DevClusterError(f"members {nodes} did not converge: {last}")
-            time.sleep(0.2)
+        with concurrent.futures.ThreadPoolExecutor(len(nodes)) as pool:
+            while True:
+                stats = list(pool.map(lambda n: self.status(n, digest=True), nodes))
+                last = [None if s is None else (s["event_seq"], s["digest"]) for s in stats]
+                if all(x is not None for x in last) and len(set(last)) == 1:
+                    return str(last[0][1])
+                if time.monotonic() > deadline:
+                    raise DevClusterError(f"members {nodes} did not converge: {last}")
+                time.sleep(0.05)
 
     def tail(self, nodeid: int, lines: int = 15) -> str:
         try:

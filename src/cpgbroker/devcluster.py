@@ -881,6 +881,29 @@ def _print_status(cluster: DevCluster, statuses: list[NodeStatus]) -> None:
         print(f"n{s.nodeid:<4} {s.netns:<20} {s.address:<15} {proc:<16} {quorate:<8} {votes}")
 
 
+def _check_ports(base: int, nodes: int, wait: float = 10.0) -> None:
+    """Fail early, and clearly, if a broker port is taken (waiting a little: the brokers of a
+    cluster that was just taken down may still be closing their listeners)."""
+    import socket
+
+    deadline = time.monotonic() + wait
+    for port in [base + i for i in range(nodes)] + [base + 10000 + i for i in range(nodes)]:
+        while True:
+            with socket.socket() as s:
+                # As the broker's listeners do: TIME_WAIT leftovers must not count as in use.
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind(("127.0.0.1", port))
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise DevClusterError(
+                            f"port {port} on 127.0.0.1 is in use; choose other ports with "
+                            "--base-port"
+                        ) from None
+            time.sleep(0.2)
+
+
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -904,11 +927,23 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--token", type=int, default=DEFAULT_TOKEN_MS, help="totem token timeout in ms")
     up.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for quorum")
     up.add_argument("--template", type=Path, help="corosync.conf template")
+    up.add_argument(
+        "--with-brokers",
+        action="store_true",
+        help="also start one cpgbroker member per node, reachable on 127.0.0.1",
+    )
+    up.add_argument(
+        "--base-port",
+        type=int,
+        default=5701,
+        help="AMQP port of node 1's broker (node N: base+N-1; status endpoints base+10000+N-1)",
+    )
     status = sub.add_parser("status", parents=[common], help="show each node and its quorum")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("down", parents=[common], help="stop and remove everything")
     for name, text in (
-        ("kill", "SIGKILL a node's corosync"),
+        ("kill", "SIGKILL a node's corosync (its broker, if any, then stops by itself)"),
+        ("kill-broker", "SIGKILL only the broker process on a node"),
         ("stop", "SIGSTOP a node's corosync"),
         ("resume", "SIGCONT a node's corosync"),
         ("restart", "restart a node's corosync and wait until it rejoined"),
@@ -953,12 +988,31 @@ def _main(args: argparse.Namespace) -> int:
             template=args.template,
         )
         t0 = time.monotonic()
+        if args.with_brokers:
+            _check_ports(args.base_port, args.nodes)
         cluster.up(timeout=args.timeout)
         print(
             f"dev cluster {cluster.prefix} up: {cluster.size} nodes quorate after "
             f"{time.monotonic() - t0:.1f} s"
         )
         _print_status(cluster, cluster.status())
+        if args.with_brokers:
+            from cpgbroker.devbrokers import BrokerSet
+
+            ports = {
+                n.nodeid: (args.base_port + n.nodeid - 1, args.base_port + 10000 + n.nodeid - 1)
+                for n in cluster.nodes
+            }
+            brokers = BrokerSet(cluster, ports=ports)
+            try:
+                brokers.start_all(timeout=60)
+            except BaseException:
+                cluster.down()
+                raise
+            brokers.save()
+            print(f"brokers ready after {time.monotonic() - t0:.1f} s; AMQP URLs:")
+            for n in cluster.nodes:
+                print(f"  {brokers.url(n.nodeid)}    status: {brokers.admin(n.nodeid)}")
         return 0
     if args.command == "down":
         try:
@@ -973,9 +1027,24 @@ def _main(args: argparse.Namespace) -> int:
         print(f"dev cluster {args.prefix} removed")
         return 0
     cluster = DevCluster.load(args.prefix, args.state_dir)
+    from cpgbroker.devbrokers import BrokerSet
+
+    dev_brokers = BrokerSet.load(cluster)
     if args.command == "status":
         statuses = cluster.status()
+        broker_status = (
+            {n.nodeid: dev_brokers.status(n.nodeid) for n in cluster.nodes} if dev_brokers else {}
+        )
         if args.json:
+            nodes = [s.to_json() for s in statuses]
+            if dev_brokers is not None:
+                for entry in nodes:
+                    nid = int(entry["node"])
+                    entry["broker"] = {
+                        "url": dev_brokers.url(nid),
+                        "status_url": dev_brokers.admin(nid),
+                        "status": broker_status.get(nid),
+                    }
             print(
                 json.dumps(
                     {
@@ -983,13 +1052,32 @@ def _main(args: argparse.Namespace) -> int:
                         "subnet": f"10.213.{cluster.subnet}.0/24",
                         "token_ms": cluster.token_ms,
                         "state_dir": str(cluster.base),
-                        "nodes": [s.to_json() for s in statuses],
+                        "nodes": nodes,
                     },
                     indent=2,
                 )
             )
         else:
             _print_status(cluster, statuses)
+            if dev_brokers is not None:
+                print(f"{'node':<5} {'broker':<36} {'state':<10} {'events':>8}  connections")
+                for n in cluster.nodes:
+                    st = broker_status.get(n.nodeid)
+                    url = dev_brokers.url(n.nodeid)
+                    if st is None:
+                        print(f"n{n.nodeid:<4} {url:<36} {'down':<10}")
+                        continue
+                    conns = st.get("connections", {})
+                    print(
+                        f"n{n.nodeid:<4} {url:<36} {st.get('state', '?'):<10} "
+                        f"{st.get('event_seq', 0):>8}  {conns.get('local', 0)} local, "
+                        f"{conns.get('shadow', 0)} shadow"
+                    )
+        return 0
+    if args.command == "kill-broker":
+        if dev_brokers is None:
+            raise DevClusterError("this dev cluster runs no brokers (up --with-brokers)")
+        dev_brokers.kill(args.node)
         return 0
     if args.command == "exec":
         cmd = list(args.argv)

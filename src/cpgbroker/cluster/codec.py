@@ -40,6 +40,7 @@ T_CLOSE_CLIENT = 5
 T_TICK = 6
 T_HELLO = 10
 T_CHECKPOINT = 11
+T_PROGRESS = 12
 
 STATUS_NEW = 0
 STATUS_READY = 1
@@ -74,7 +75,15 @@ class Checkpoint:
     digest: bytes
 
 
-ClusterControl = Hello | Checkpoint
+@attrs.frozen
+class Progress:
+    """``member`` has applied events up to ``seq``: lets the others see how far behind it is."""
+
+    member: int
+    seq: int
+
+
+ClusterControl = Hello | Checkpoint | Progress
 
 _CONN = struct.Struct(">QI")
 _DATA = struct.Struct(">BQII")
@@ -148,6 +157,8 @@ def encode(ev: Any) -> bytes:
             + _U8.pack(len(ev.digest))
             + bytes(ev.digest)
         )
+    if t is Progress:
+        return _U8.pack(T_PROGRESS) + _U64.pack(ev.member) + _U64.pack(ev.seq)
     raise ClusterError(f"cannot encode {ev!r}")
 
 
@@ -212,6 +223,11 @@ def decode_batch(data: bytes, sender: int) -> list[Any]:
                 now_ms = _U64.unpack_from(data, p)[0]
                 p += 8
                 out.append(Hello(member, status, version, digest, url, software, now_ms))
+                continue
+            if t == T_PROGRESS:
+                member, seq = struct.unpack_from(">QQ", data, p)
+                out.append(Progress(member, seq))
+                p += 16
                 continue
             if t == T_CHECKPOINT:
                 member, seq = struct.unpack_from(">QQ", data, p)

@@ -24,7 +24,7 @@ import trio
 from cpgbroker import MODEL_VERSION, __version__
 from cpgbroker.cluster import codec
 from cpgbroker.cluster.checkpoint import Checkpoints, Verdict
-from cpgbroker.cluster.codec import STATUS_NAMES, Checkpoint, Hello
+from cpgbroker.cluster.codec import STATUS_NAMES, Checkpoint, Hello, Progress
 from cpgbroker.cluster.membership import (
     READY,
     ApplyToModel,
@@ -35,7 +35,14 @@ from cpgbroker.cluster.membership import (
     SendHello,
 )
 from cpgbroker.config import ServerConfig
-from cpgbroker.cpg import ConfChg, Deliver, PartitionMerge, RingChangeSameMembers
+from cpgbroker.cpg import (
+    MAX_IOVEC,
+    ConfChg,
+    Deliver,
+    PartitionMerge,
+    RingChangeSameMembers,
+    tune_malloc,
+)
 from cpgbroker.errors import ClusterError, CpgError, ReplyCode
 from cpgbroker.model import snapshot
 from cpgbroker.model.events import ClientConnected, ClientData, Event, Tick
@@ -50,6 +57,12 @@ log = logging.getLogger("cpgbroker.member")
 MAX_BATCH_BYTES = 512 * 1024
 # Digest the model after every this many applied events (same points on every member).
 CHECKPOINT_EVERY = 10_000
+# Cluster flow control: each member reports how far it has applied every PROGRESS_EVERY
+# events (or fewer when ``max_lag`` is small), and a member stops multicasting new client
+# traffic while the slowest member is more than ``[cluster] max_lag`` events behind it.
+# Without this, corosync buffers for a slow member without limit (and never gives the memory
+# back).
+PROGRESS_EVERY = 1_000
 
 _TYPE_NAMES = {
     "ClientData": "data",
@@ -102,6 +115,12 @@ class ClusterNode(Node):
         if config.cluster.event_log:
             self._event_log = open(config.cluster.event_log, "a", buffering=1 << 16)  # noqa: SIM115
         self.delivered_events = 0
+        # Latest applied sequence each other member reported (cluster flow control).
+        self.peer_progress: dict[int, int] = {}
+        self._progress_changed = trio.Event()
+        self.lag_waits = 0
+        self.max_lag = config.cluster.max_lag
+        self.progress_every = max(1, min(PROGRESS_EVERY, self.max_lag // 4))
 
     # ------------------------------------------------------------------ sequencer
 
@@ -136,10 +155,34 @@ class ClusterNode(Node):
                     break
                 size += len(data)
                 take += 1
+            await self._wait_for_slow_members()
             batch = out[:take]
             del out[:take]
             self._out_bytes -= size - 2
-            await self.cpg.send(codec.HEADER, *batch)
+            if take < MAX_IOVEC:  # the binding gathers up to MAX_IOVEC buffers; header + batch
+                await self.cpg.send(codec.HEADER, *batch)  # gathered by the kernel, no copy
+            else:
+                await self.cpg.send(codec.HEADER + b"".join(batch))
+
+    def lag(self) -> int:
+        """How many events the slowest ready member is behind this one."""
+        seq = self.broker.event_seq
+        behind = [
+            seq - self.peer_progress.get(m, seq)
+            for m in self.membership.ready_members
+            if m != self.member
+        ]
+        return max(behind, default=0)
+
+    async def _wait_for_slow_members(self) -> None:
+        if self.lag() <= self.max_lag:
+            return
+        self.lag_waits += 1
+        log.warning("holding back client traffic: a member is %d events behind", self.lag())
+        while self.lag() > self.max_lag:
+            self._progress_changed = trio.Event()
+            with trio.move_on_after(1):
+                await self._progress_changed.wait()
 
     # ------------------------------------------------------------------ delivery
 
@@ -168,6 +211,10 @@ class ClusterNode(Node):
         if t is Hello:
             self._act(self.membership.on_hello(e))
             self._log_event("hello", sender, None, 0, status=STATUS_NAMES.get(e.status, "?"))
+            return
+        if t is Progress:
+            self.peer_progress[e.member] = e.seq
+            self._progress_changed.set()
             return
         if t is Checkpoint:
             if self.membership.state == READY:
@@ -201,6 +248,8 @@ class ClusterNode(Node):
                 len(e.data) if type(e) is ClientData else 0,
             )
         seq = self.broker.event_seq
+        if seq % self.progress_every == 0:
+            self._queue(codec.encode(Progress(self.member, seq)))
         if seq % self.checkpoint_every == 0:
             digest = hashlib.sha256(snapshot.encode(snapshot.snapshot(self.broker))).digest()
             self._queue(codec.encode(Checkpoint(self.member, seq, digest)))
@@ -354,6 +403,7 @@ class ClusterNode(Node):
             if last is None
             else {"seq": last.seq, "digest": last.winner.hex(), "agreed": last.agreed},
             "cpg": {"in_flight": self.cpg.in_flight, "sent": self.cpg.stats.sent},
+            "lag": {"events_behind": self.lag(), "held_back": self.lag_waits},
         }
 
     def close(self) -> None:
@@ -372,6 +422,9 @@ async def serve_member(
     log.info(
         "joining cluster group=%s size=%d netns=%s", cluster.group, cluster.size, cluster.netns
     )
+    # Keep freed memory in the process: otherwise glibc returns it after every batch of large
+    # CPG messages and page-faults it back for the next (measured in docs/performance.md).
+    tune_malloc()
     async with open_cpg(cluster.group, netns=cluster.netns or None) as cpg:
         me = member_id(cpg.local_nodeid, os.getpid())
         node = ClusterNode(config, cpg, me)
