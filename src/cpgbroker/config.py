@@ -135,7 +135,9 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             max_lag=int(c.get("max_lag", 20_000)),
         )
         unknown_c = sorted(
-            k for k in c if k not in ("group", "size", "url", "event_log", "netns", "ready_timeout", "max_lag")
+            k
+            for k in c
+            if k not in ("group", "size", "url", "event_log", "netns", "ready_timeout", "max_lag")
         )
         if unknown_c:
             raise ConfigError(f"unknown [cluster] key(s): {', '.join(unknown_c)}")

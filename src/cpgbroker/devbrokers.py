@@ -10,6 +10,7 @@ Killing a node therefore looks to the others exactly like a machine failure.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -193,10 +194,8 @@ class BrokerSet:
         pid = self.pid(nodeid)
         if pid is None:
             raise DevClusterError(f"node {nodeid} runs no broker")
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
     def stop(self, nodeid: int, timeout: float = 10.0) -> int | None:
         proc = self.procs.get(nodeid)

@@ -394,3 +394,29 @@ def test_a_stalled_member_holds_back_traffic_instead_of_unbounded_buffering(
         bs.stop_all()
         for n in (1, 2, 3):  # shown by pytest only when the test failed
             print(f"--- broker {n} log\n{bs.tail(n, 40)}")
+
+
+def test_member_partitioned_away_and_merged_back_leaves_and_the_majority_serves_on(
+    brokers: BrokerSet, cluster: DevCluster
+) -> None:
+    c = connect(brokers, 1)
+    ch = c.channel()
+    ch.confirm_delivery()
+    ch.queue_declare("split")
+    cluster.stop(3)  # node 3 hangs longer than the token: the others form a partition of two
+    deadline = time.monotonic() + 15
+    while len((brokers.status(1) or {}).get("members", [])) != 2:
+        assert time.monotonic() < deadline, "members 1 and 2 never saw node 3 go"
+        time.sleep(0.2)
+    for i in range(20):
+        ch.basic_publish("", "split", b"%d" % i)  # applied on the majority side only
+    cluster.resume(3)
+    # The member that missed those events must not serve them a diverged state.
+    assert brokers.procs[3].wait(30) == 3, brokers.tail(3, 20)
+    assert "merged back on the smaller side" in brokers.tail(3, 20)
+    brokers.converged([1, 2])
+    for n in (1, 2):
+        s = brokers.status(n)
+        assert s is not None and s["state"] == "ready" and len(s["members"]) == 2
+        assert s["queues"]["/:split"]["ready"] == 20
+    ch.basic_publish("", "split", b"after")

@@ -41,12 +41,14 @@ def to_cluster_stream(log: list, rnd: random.Random) -> list[tuple[int, bytes]]:
         elif isinstance(ev, (ClientData, ClientDisconnected, DoOutput, CloseClient)):
             member = owner[ev.conn]
             cid = codec.conn_id(member, ev.conn)
-            ev = {
-                ClientData: lambda e: ClientData(cid, e.data),
-                ClientDisconnected: lambda e: ClientDisconnected(cid, e.reason),
-                DoOutput: lambda e: DoOutput(cid, e.limit),
-                CloseClient: lambda e: CloseClient(cid, e.code, e.text),
-            }[type(ev)](ev)
+            if isinstance(ev, ClientData):
+                ev = ClientData(cid, ev.data)
+            elif isinstance(ev, ClientDisconnected):
+                ev = ClientDisconnected(cid, ev.reason)
+            elif isinstance(ev, DoOutput):
+                ev = DoOutput(cid, ev.limit)
+            else:
+                ev = CloseClient(cid, ev.code, ev.text)
         elif isinstance(ev, Tick):
             member = MEMBERS[0]
         else:

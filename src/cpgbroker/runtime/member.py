@@ -119,6 +119,8 @@ class ClusterNode(Node):
         self.peer_progress: dict[int, int] = {}
         self._progress_changed = trio.Event()
         self.lag_waits = 0
+        # Members that came back from the other side of a partition: ignored until they leave.
+        self.shunned: set[int] = set()
         self.max_lag = config.cluster.max_lag
         self.progress_every = max(1, min(PROGRESS_EVERY, self.max_lag // 4))
 
@@ -193,16 +195,14 @@ class ClusterNode(Node):
                 t = type(ev)
                 if t is Deliver:
                     sender = member_id(ev.nodeid, ev.pid)  # type: ignore[union-attr]
+                    if sender in self.shunned:
+                        continue  # diverged in a partition; it is leaving
                     for e in codec.decode_batch(ev.data, sender):  # type: ignore[union-attr]
                         self._on_event(e, sender)
                 elif t is ConfChg:
                     self._on_confchg(ev)  # type: ignore[arg-type]
                 elif t is PartitionMerge:
-                    raise ClusterError(
-                        "this member was partitioned from the cluster and merged back: it missed "
-                        "events the others applied, so its state cannot be trusted; leaving "
-                        f"(rejoined: {ev.rejoined}, merged: {ev.merged})"  # type: ignore[union-attr]
-                    )
+                    self._on_partition_merge(ev)  # type: ignore[arg-type]
                 elif t is RingChangeSameMembers:
                     log.info("ring re-formed with the same members ring=%s", ev.ring_id)  # type: ignore[union-attr]
 
@@ -256,10 +256,38 @@ class ClusterNode(Node):
             if self._event_log is not None:
                 self._write_log({"type": "checkpoint", "seq": seq, "digest": digest.hex()})
 
+    def _on_partition_merge(self, ev: PartitionMerge) -> None:
+        """Two sides of a partition merged: neither saw what the other applied meanwhile.
+        The side with more members keeps serving (on a tie, the side holding the lowest member
+        id); the other side's members leave, and until they are gone nothing they send is
+        applied. Both sides reach the same verdict: each knows both sides' members."""
+        others = [member_id(m.nodeid, m.pid) for m in (*ev.rejoined, *ev.merged)]
+        mine = [m for m in self.membership.members if m not in others]
+        if (len(mine), -min(mine, default=1 << 62)) > (len(others), -min(others, default=1 << 62)):
+            log.error(
+                "partition healed: members %s come back from another partition with diverged "
+                "state; ignoring them until they leave",
+                others,
+            )
+            self.shunned.update(others)
+            for m in others:
+                self.membership.members.pop(m, None)
+            return
+        raise ClusterError(
+            "this member was partitioned from the cluster and merged back on the smaller side: "
+            "it missed events the others applied, so its state cannot be trusted; leaving "
+            f"(other side: {others})"
+        )
+
     def _on_confchg(self, ev: ConfChg) -> None:
-        members = [member_id(m.nodeid, m.pid) for m in ev.members]
-        joined = [member_id(m.nodeid, m.pid) for m in ev.joined]
+        members = [
+            m for m in (member_id(x.nodeid, x.pid) for x in ev.members) if m not in self.shunned
+        ]
+        joined = [
+            m for m in (member_id(x.nodeid, x.pid) for x in ev.joined) if m not in self.shunned
+        ]
         left = [member_id(m.nodeid, m.pid) for m in ev.left]
+        self.shunned.difference_update(left)
         for m in ev.left:
             log.warning(
                 "member left member=%s node=%s pid=%s reason=%s",
