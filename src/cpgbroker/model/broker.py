@@ -222,9 +222,7 @@ class Broker:
         hdr = bytes(pheader.ContentHeader(0, len(body), props).marshal())
         info = fp.parse_content_header(hdr)
         self.msg_seq += 1
-        msg = Message(
-            self.msg_seq, FAILOVER_EXCHANGE, "", hdr, body, 1, None, info.headers_span
-        )
+        msg = Message(self.msg_seq, FAILOVER_EXCHANGE, "", hdr, body, 1, None, info.headers_span)
         if self._enqueue(q, Entry(msg, False, None)):
             self._dispatch(q)
 
@@ -1233,12 +1231,9 @@ class Broker:
             )
 
     def _basic_publish(self, conn: Connection, ch: Channel, payload: bytes) -> None:
-        try:
-            exchange, rk, mandatory, immediate = fp.decode_publish(payload)
-        except (ValueError, IndexError) as e:
-            raise ConnectionError_(
-                R.SYNTAX_ERROR, f"malformed basic.publish arguments: {e}", class_id=60, method_id=40
-            ) from None
+        exchange, rk, mandatory, immediate = _fast_decode(
+            fp.decode_publish, payload, "basic.publish", 40
+        )
         if immediate:
             raise ConnectionError_(R.NOT_IMPLEMENTED, "immediate=true", class_id=60, method_id=40)
         ch.pending = [exchange, rk, mandatory, None, 0, []]
@@ -1582,12 +1577,7 @@ class Broker:
     # ------------------------------------------------------------------ acknowledgements
 
     def _basic_ack(self, ch: Channel, payload: bytes) -> None:
-        try:
-            tag, multiple = fp.decode_ack(payload)
-        except (ValueError, IndexError) as e:
-            raise ConnectionError_(
-                R.SYNTAX_ERROR, f"malformed basic.ack arguments: {e}", class_id=60, method_id=80
-            ) from None
+        tag, multiple = _fast_decode(fp.decode_ack, payload, "basic.ack", 80)
         if ch.tx:
             self._check_tags(ch, tag, multiple, 80)
             ch.tx_ops.append(("ack", tag, multiple))
@@ -1595,12 +1585,7 @@ class Broker:
         self._settle(ch, tag, multiple, None, 80)
 
     def _b_nack(self, conn: Connection, ch: Channel, payload: bytes) -> None:
-        try:
-            tag, multiple, requeue = fp.decode_nack(payload)
-        except (ValueError, IndexError) as e:
-            raise ConnectionError_(
-                R.SYNTAX_ERROR, f"malformed basic.nack arguments: {e}", class_id=60, method_id=120
-            ) from None
+        tag, multiple, requeue = _fast_decode(fp.decode_nack, payload, "basic.nack", 120)
         if ch.tx:
             self._check_tags(ch, tag, multiple, 120)
             ch.tx_ops.append(("nack", tag, multiple, requeue))
@@ -1608,12 +1593,7 @@ class Broker:
         self._settle(ch, tag, multiple, requeue, 120)
 
     def _b_reject(self, conn: Connection, ch: Channel, payload: bytes) -> None:
-        try:
-            tag, requeue = fp.decode_reject(payload)
-        except (ValueError, IndexError) as e:
-            raise ConnectionError_(
-                R.SYNTAX_ERROR, f"malformed basic.reject arguments: {e}", class_id=60, method_id=90
-            ) from None
+        tag, requeue = _fast_decode(fp.decode_reject, payload, "basic.reject", 90)
         if ch.tx:
             self._check_tags(ch, tag, False, 90)
             ch.tx_ops.append(("nack", tag, False, requeue))
@@ -1776,6 +1756,16 @@ _RESERVED_FIELDS = (
     ("out_of_band", "0"),
     ("channel_id", "0"),
 )
+
+
+def _fast_decode(decoder: Any, payload: bytes, name: str, method_id: int) -> Any:
+    """Run a hand-written decoder; malformed arguments are 502 SYNTAX_ERROR, as from pamqp."""
+    try:
+        return decoder(payload)
+    except (ValueError, IndexError) as e:
+        raise ConnectionError_(
+            R.SYNTAX_ERROR, f"malformed {name} arguments: {e}", class_id=60, method_id=method_id
+        ) from None
 
 
 def _over(q: Queue, size: int) -> bool:

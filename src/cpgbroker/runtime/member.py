@@ -400,39 +400,32 @@ class ClusterNode(Node):
         b = self.broker
         local = sum(1 for c in b.connections if c in self.local)
         last = self.checkpoints.last
-        return {
-            "digest": snapshot.digest(b) if with_digest else None,
-            "member": self.member,
-            "url": self.cluster_cfg.url,
-            "state": self.membership.state,
-            "clock_master": self.membership.clock_master,
-            "members": [
-                {
-                    "member": m,
-                    "url": i.url,
-                    "status": STATUS_NAMES.get(i.status, "unknown")
-                    if i.status is not None
-                    else "unknown",
-                }
-                for m, i in self.membership.members.items()
-            ],
-            "connections": {"local": local, "shadow": len(b.connections) - local},
-            "queues": {
-                f"{vh.name}:{q.name}": {
-                    "ready": len(q.messages),
-                    "unacked": q.unacked,
-                    "consumers": len(q.consumers),
-                }
-                for vh in b.vhosts.values()
-                for q in vh.queues.values()
-            },
-            "event_seq": b.event_seq,
-            "checkpoint": None
-            if last is None
-            else {"seq": last.seq, "digest": last.winner.hex(), "agreed": last.agreed},
-            "cpg": {"in_flight": self.cpg.in_flight, "sent": self.cpg.stats.sent},
-            "lag": {"events_behind": self.lag(), "held_back": self.lag_waits},
-        }
+        out = super().status(with_digest)
+        out.update(
+            {
+                "member": self.member,
+                "url": self.cluster_cfg.url,
+                "state": self.membership.state,
+                "clock_master": self.membership.clock_master,
+                "members": [
+                    {
+                        "member": m,
+                        "url": i.url,
+                        "status": STATUS_NAMES.get(i.status, "unknown")
+                        if i.status is not None
+                        else "unknown",
+                    }
+                    for m, i in self.membership.members.items()
+                ],
+                "connections": {"local": local, "shadow": len(b.connections) - local},
+                "checkpoint": None
+                if last is None
+                else {"seq": last.seq, "digest": last.winner.hex(), "agreed": last.agreed},
+                "cpg": {"in_flight": self.cpg.in_flight, "sent": self.cpg.stats.sent},
+                "lag": {"events_behind": self.lag(), "held_back": self.lag_waits},
+            }
+        )
+        return out
 
     def close(self) -> None:
         if self._event_log is not None:
