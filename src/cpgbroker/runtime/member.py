@@ -321,6 +321,10 @@ class ClusterNode(Node):
                     )
                 )
             elif t is BecomeReady:
+                # Every member becomes ready at this same event: that is where each of them
+                # stands until it reports more (a member that never reports is then seen to lag).
+                for m in self.membership.ready_members:
+                    self.peer_progress[m] = self.broker.event_seq
                 log.info(
                     "cluster ready members=%d clock_master=%s",
                     len(self.membership.members),
