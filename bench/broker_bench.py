@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,14 +44,18 @@ CLUSTER = {
 }
 
 
-def load(shared: Path, urls: list[str], pids: list[int], args: list[str], secs: float) -> dict[str, Any]:
+def load(
+    shared: Path, urls: list[str], pids: list[int], args: list[str], secs: float
+) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     cmd = [sys.executable, str(shared / "bench" / "amqp_load.py"), "--json-out", out]
     cmd += [a for u in urls for a in ("--url", u)]
     cmd += [a for p in pids for a in ("--broker-pid", str(p))]
     cmd += ["--seconds", str(secs), "--queue", "bench_q", *args]
-    subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600, check=False)
+    subprocess.run(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600, check=False
+    )
     try:
         return dict(json.loads(Path(out).read_text()))
     finally:
@@ -98,21 +103,95 @@ def run_ours_standalone(shared: Path, secs: float) -> dict[str, Any]:
     return out
 
 
+# Where a member's CPU goes, by the innermost frame that belongs to one of these.
+CATEGORIES = (
+    ("cpg", ("cpgbroker/cpg.py", "cpgbroker/runtime/cpg_trio.py", "_cpg")),
+    ("decode_encode", ("cpgbroker/wire/", "pamqp/", "cpgbroker/cluster/codec.py")),
+    ("model", ("cpgbroker/model/",)),
+    ("cluster_logic", ("cpgbroker/cluster/", "cpgbroker/runtime/member.py")),
+    ("io_runtime", ("trio/", "cpgbroker/runtime/server.py", "socket", "selectors")),
+)
+
+
+def profile_shares(raw: Path) -> dict[str, float]:
+    """Collapsed stacks from py-spy -> share of samples per category (innermost match wins)."""
+    counts: dict[str, int] = {}
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
+            continue
+        frames = stack.split(";")
+        cat = "other"
+        for frame in reversed(frames):
+            hit = next((c for c, keys in CATEGORIES if any(k in frame for k in keys)), None)
+            if hit:
+                cat = hit
+                break
+        counts[cat] = counts.get(cat, 0) + int(n)
+        total += int(n)
+    return {c: round(v / total, 3) for c, v in sorted(counts.items())} if total else {}
+
+
+def _pyspy() -> str | None:
+    beside = Path(sys.executable).with_name("py-spy")
+    return shutil.which("py-spy") or (str(beside) if beside.exists() else None)
+
+
+def profile_members(pids: list[int], seconds: float) -> list[subprocess.Popen[bytes]]:
+    procs = []
+    for pid in pids:
+        out = Path(tempfile.gettempdir()) / f"cpgb-profile-{pid}.txt"
+        procs.append(
+            subprocess.Popen(
+                [
+                    "py-spy",
+                    "record",
+                    "--pid",
+                    str(pid),
+                    "--duration",
+                    str(int(seconds)),
+                    "--rate",
+                    "100",
+                    "--format",
+                    "raw",
+                    "--output",
+                    str(out),
+                    "--nonblocking",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+    return procs
+
+
 def run_ours_cluster(shared: Path, secs: float) -> dict[str, Any]:
     from cpgbroker.devbrokers import BrokerSet
     from cpgbroker.devcluster import DevCluster
 
     dc = DevCluster(3, prefix=f"bench-{os.getpid() % 100000}", token_ms=3000)
-    out = {}
-    with dc:
-        dc.up()
+    out: dict[str, Any] = {}
+    with dc:  # up on enter, down on exit
         brokers = BrokerSet(dc, event_log=False)
         brokers.start_all()
         urls = [brokers.url(n) for n in (1, 2, 3)]
         pids = [p.pid for p in brokers.procs.values()]
         try:
             for name, args in CLUSTER.items():
+                profilers = []
+                if name == "q_1p1c_1K_confirm" and _pyspy():
+                    profilers = profile_members(pids, secs - 2)
                 out[name] = summary(load(shared, urls, pids, args, secs))
+                for p in profilers:
+                    p.wait(60)
+                if profilers:
+                    out[name]["cpu_share_per_member"] = {
+                        f"member{i + 1}": profile_shares(
+                            Path(tempfile.gettempdir()) / f"cpgb-profile-{pid}.txt"
+                        )
+                        for i, pid in enumerate(pids)
+                    }
                 print(f"cpgbroker cluster {name}: {out[name]}", file=sys.stderr)
             out["converged_digest"] = brokers.converged([1, 2, 3], timeout=60)
         finally:
@@ -155,9 +234,14 @@ def main() -> int:
     else:
         ours = run_ours_standalone(args.shared, args.seconds)
         names = list(STANDALONE)
-    result: dict[str, Any] = {"mode": "cluster" if args.cluster else "standalone", "cpgbroker": ours}
+    result: dict[str, Any] = {
+        "mode": "cluster" if args.cluster else "standalone",
+        "cpgbroker": ours,
+    }
     if args.rabbitmq:
-        rmq = run_rabbitmq(args.shared, "cluster" if args.cluster else "single", args.seconds, names)
+        rmq = run_rabbitmq(
+            args.shared, "cluster" if args.cluster else "single", args.seconds, names
+        )
         result["rabbitmq"] = rmq
         ratios = {}
         for name in names:
