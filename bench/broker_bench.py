@@ -145,7 +145,7 @@ def profile_members(pids: list[int], seconds: float) -> list[subprocess.Popen[by
         procs.append(
             subprocess.Popen(
                 [
-                    "py-spy",
+                    _pyspy() or "py-spy",
                     "record",
                     "--pid",
                     str(pid),

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import gc
 import ipaddress
-import os
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -70,7 +70,6 @@ class LocalConn:
         "credit",
         "credit_back",
         "fd",
-        "sending",
         "id",
         "inflight",
         "model_closed",
@@ -78,6 +77,7 @@ class LocalConn:
         "paused",
         "peer",
         "resume",
+        "sending",
         "stream",
         "wake",
         "want_output",
