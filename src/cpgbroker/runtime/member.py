@@ -43,12 +43,12 @@ from cpgbroker.cpg import (
     RingChangeSameMembers,
     tune_malloc,
 )
-from cpgbroker.errors import ClusterError, CpgError, ReplyCode
+from cpgbroker.errors import ClusterError, CpgError
 from cpgbroker.model import snapshot
 from cpgbroker.model.events import ClientConnected, ClientData, Event, Tick
 from cpgbroker.runtime import admin
 from cpgbroker.runtime.cpg_trio import TrioCpg, open_cpg
-from cpgbroker.runtime.server import Node, _listen_targets, forced_close_frame
+from cpgbroker.runtime.server import Node, forced_close_frame, open_listeners, wait_for_signal
 
 log = logging.getLogger("cpgbroker.member")
 
@@ -479,14 +479,7 @@ async def serve_member(
                     )
                     nursery.cancel_scope.cancel()
                     await trio.lowlevel.checkpoint()
-                listeners: list[trio.SocketListener] = []
-                for host, port in _listen_targets(config):
-                    listeners += await trio.open_tcp_listeners(port, host=host)
-                bound = []
-                for lst in listeners:
-                    addr = lst.socket.getsockname()
-                    bound.append((str(addr[0]), int(addr[1])))
-                    log.info("listening host=%s port=%s", addr[0], addr[1])
+                listeners, bound = await open_listeners(config)
                 if config.admin_listen:
                     await nursery.start(admin.serve_admin, config.admin_listen, node.status)
                 accept_scope = trio.CancelScope()
@@ -497,15 +490,13 @@ async def serve_member(
 
                 nursery.start_soon(accept)
                 task_status.started(bound)
-                await _wait_for_signal()
-                log.info("stopping member=%s", me)
+                signum = await wait_for_signal()
+                log.info("stopping member=%s signal=%s", me, signum)
                 # Stop accepting before closing the listeners the accept loop waits on.
                 accept_scope.cancel()
                 for lst in listeners:
                     await lst.aclose()
-                await node.close_all(int(ReplyCode.CONNECTION_FORCED), "broker shutdown")
-                with trio.move_on_after(config.shutdown_grace):
-                    await node.all_closed.wait()
+                await node.shutdown_clients(config.shutdown_grace)
                 nursery.cancel_scope.cancel()
             if node.failure is not None:
                 log.error("leaving the cluster: %s", node.failure)
@@ -522,12 +513,3 @@ async def serve_member(
                 raise ClusterError(node.failure)
         finally:
             node.close()
-
-
-async def _wait_for_signal() -> None:
-    import signal
-
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            log.info("signal %s", signal.Signals(signum).name)
-            return

@@ -304,6 +304,13 @@ class Node:
         for cid in list(self.local):
             await self.submit(CloseClient(cid, code, text))
 
+    async def shutdown_clients(self, grace: float) -> None:
+        """connection.close 320 to every client, then at most ``grace`` seconds for them to
+        take it and go."""
+        await self.close_all(int(ReplyCode.CONNECTION_FORCED), "broker shutdown")
+        with trio.move_on_after(grace):
+            await self.all_closed.wait()
+
 
 def forced_close_frame(text: str) -> bytes:
     """connection.close 320 CONNECTION_FORCED, written by the runtime itself when the member
@@ -322,8 +329,27 @@ def forced_close_frame(text: str) -> bytes:
     )
 
 
-def _listen_targets(config: ServerConfig) -> list[tuple[str, int]]:
-    return [parse_listen(a) for a in config.listen]
+async def open_listeners(
+    config: ServerConfig,
+) -> tuple[list[trio.SocketListener], list[tuple[str, int]]]:
+    """Open every configured AMQP listener; also the (host, port) pairs actually bound."""
+    listeners: list[trio.SocketListener] = []
+    for host, port in (parse_listen(a) for a in config.listen):
+        listeners += await trio.open_tcp_listeners(port, host=host)
+    bound = []
+    for lst in listeners:
+        addr = lst.socket.getsockname()
+        bound.append((str(addr[0]), int(addr[1])))
+        log.info("listening host=%s port=%s", addr[0], addr[1])
+    return listeners, bound
+
+
+async def wait_for_signal() -> int:
+    """Until SIGINT or SIGTERM arrives; returns it."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            return int(signum)
+    raise AssertionError("signal receiver ended")  # pragma: no cover
 
 
 async def serve(
@@ -335,14 +361,7 @@ async def serve(
     """Serve until cancelled or signalled; reports the bound (host, port) pairs via
     ``task_status`` (port 0 in the config picks a free port)."""
     node = (node_factory or Node)(config)
-    listeners: list[trio.SocketListener] = []
-    for host, port in _listen_targets(config):
-        listeners += await trio.open_tcp_listeners(port, host=host)
-    bound = []
-    for lst in listeners:
-        addr = lst.socket.getsockname()
-        bound.append((str(addr[0]), int(addr[1])))
-        log.info("listening host=%s port=%s", addr[0], addr[1])
+    listeners, bound = await open_listeners(config)
     node.now_ms()
     await node.submit(Tick(node.now_ms()))
     async with trio.open_nursery() as nursery:
@@ -359,23 +378,19 @@ async def serve(
 
             await nursery.start(admin.serve_admin, config.admin_listen, node.status)
         task_status.started(bound)
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for signum in signals:
-                log.info(
-                    "shutting down signal=%s connections=%d grace=%.1fs",
-                    signal.Signals(signum).name,
-                    len(node.local),
-                    config.shutdown_grace,
-                )
-                break
+        signum = await wait_for_signal()
+        log.info(
+            "shutting down signal=%s connections=%d grace=%.1fs",
+            signal.Signals(signum).name,
+            len(node.local),
+            config.shutdown_grace,
+        )
         # Graceful: stop accepting, tell every client (320 CONNECTION_FORCED), give them the
         # grace period to take it, then cancel whatever is left.
         serve_scope.cancel()
         for lst in listeners:
             await lst.aclose()
-        await node.close_all(int(ReplyCode.CONNECTION_FORCED), "broker shutdown")
-        with trio.move_on_after(config.shutdown_grace):
-            await node.all_closed.wait()
+        await node.shutdown_clients(config.shutdown_grace)
         nursery.cancel_scope.cancel()
     log.info("stopped")
 
