@@ -73,6 +73,8 @@ def summary(r: dict[str, Any]) -> dict[str, Any]:
         "broker_us_per_msg": cpu.get("broker_us_per_msg"),
         "broker_cores": cpu.get("broker_cores"),
         "client_us_per_msg": cpu.get("client_us_per_msg"),
+        # Whole machine: on 2 cores a cluster run is bounded by brokers + corosyncs + client.
+        "machine_busy_cores": cpu.get("machine_busy_cores"),
     }
 
 
