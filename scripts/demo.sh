@@ -2,7 +2,8 @@
 # Set up this machine (see setup.sh), start a local 3-member cpgbroker cluster on a real
 # 3-node corosync cluster in network namespaces, run a confirmed publisher and two consumers
 # on different members, kill one node half-way, and show the clients carrying on with no
-# confirmed message lost. Everything is removed at the end. Needs root.
+# confirmed message lost; then bring the node back and show its broker rejoin through a state
+# update. Everything is removed at the end. Needs root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -24,5 +25,13 @@ rc=$?
 set -e
 echo
 echo "== cluster after the failure"
+$CPGB devcluster status --prefix "$PREFIX"
+echo
+echo "== node 2 comes back: its broker joins the serving cluster through a state update"
+$CPGB devcluster restart 2 --prefix "$PREFIX"
+$CPGB devcluster start-broker 2 --prefix "$PREFIX"
+grep -h "state update" "$($CPGB devcluster status --prefix "$PREFIX" --json |
+  .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["state_dir"])')"/n*/broker.log |
+  sed 's/^/  /' || true
 $CPGB devcluster status --prefix "$PREFIX"
 exit $rc

@@ -29,6 +29,12 @@ class ClusterConfig:
     # Cluster flow control: stop multicasting new client traffic while another member is more
     # than this many events behind (bounds what corosync buffers for a slow member).
     max_lag: int = 20_000
+    # HOST:PORT where this member receives a state update when it joins a serving cluster
+    # (the updater connects here). "" = the host of ``url`` (else 127.0.0.1), any free port.
+    update_listen: str = ""
+    # Cap on the bandwidth one state transfer uses (MiB/s; 0 = unlimited), so that feeding a
+    # newcomer never starves client traffic on a shared network.
+    update_rate_limit: float = 0.0
 
 
 @attrs.frozen
@@ -133,12 +139,23 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             netns=str(c.get("netns", "")),
             ready_timeout=float(c.get("ready_timeout", 120.0)),
             max_lag=int(c.get("max_lag", 20_000)),
+            update_listen=str(c.get("update_listen", "")),
+            update_rate_limit=float(c.get("update_rate_limit", 0.0)),
         )
-        unknown_c = sorted(
-            k
-            for k in c
-            if k not in ("group", "size", "url", "event_log", "netns", "ready_timeout", "max_lag")
+        if cluster.update_listen:
+            parse_listen(cluster.update_listen)
+        known_keys = (
+            "group",
+            "size",
+            "url",
+            "event_log",
+            "netns",
+            "ready_timeout",
+            "max_lag",
+            "update_listen",
+            "update_rate_limit",
         )
+        unknown_c = sorted(k for k in c if k not in known_keys)
         if unknown_c:
             raise ConfigError(f"unknown [cluster] key(s): {', '.join(unknown_c)}")
         if cluster.size < 1:

@@ -944,6 +944,10 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in (
         ("kill", "SIGKILL a node's corosync (its broker, if any, then stops by itself)"),
         ("kill-broker", "SIGKILL only the broker process on a node"),
+        (
+            "start-broker",
+            "start a node's broker again: it joins the serving cluster through a state update",
+        ),
         ("stop", "SIGSTOP a node's corosync"),
         ("resume", "SIGCONT a node's corosync"),
         ("restart", "restart a node's corosync and wait until it rejoined"),
@@ -1078,6 +1082,16 @@ def _main(args: argparse.Namespace) -> int:
         if dev_brokers is None:
             raise DevClusterError("this dev cluster runs no brokers (up --with-brokers)")
         dev_brokers.kill(args.node)
+        return 0
+    if args.command == "start-broker":
+        if dev_brokers is None:
+            raise DevClusterError("this dev cluster runs no brokers (up --with-brokers)")
+        if dev_brokers.status(args.node) is not None:
+            raise DevClusterError(f"the broker on node {args.node} is already running")
+        dev_brokers.start(args.node)
+        dev_brokers.save()
+        dev_brokers.wait_ready([args.node], timeout=600)
+        print(f"broker on node {args.node} joined: {dev_brokers.url(args.node)}")
         return 0
     if args.command == "exec":
         cmd = list(args.argv)

@@ -12,6 +12,8 @@ Fixtures:
   torn down at the end.
 * ``cluster`` (function): the same cluster, repaired before the test (killed nodes restarted,
   stopped ones resumed, partitions healed, full quorum), so a test may break it freely.
+* ``brokers``: a fresh 3-member broker cluster (its own CPG group) on ``cluster``; every
+  pika connection opened through ``brokerclients.connect`` is closed after each test.
 * ``cpg_on``: factory ``cpg_on(node, group=None) -> Cpg`` for a joined handle opened inside a
   node's namespace from this process; closed after the test.
 """
@@ -21,10 +23,13 @@ from __future__ import annotations
 import os
 import select
 import time
+import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
+from brokerclients import close_all
 
+from cpgbroker.devbrokers import BrokerSet
 from cpgbroker.devcluster import (
     DevCluster,
     check_environment,
@@ -124,3 +129,23 @@ def dispatch_until() -> Callable[..., bool]:
     """``dispatch_until(handles, events, until, timeout)``: dispatch every handle into
     ``events[i]`` (one list per handle) until ``until()`` is true; False on timeout."""
     return _dispatch_until
+
+
+@pytest.fixture
+def brokers(cluster: DevCluster) -> Iterator[BrokerSet]:
+    """A fresh 3-member broker cluster (its own CPG group) on the shared corosync cluster."""
+    group = f"t{uuid.uuid4().hex[:10]}"
+    bs = BrokerSet(cluster, group=group, name=f"broker-{group}")
+    try:
+        bs.start_all(timeout=60)
+        yield bs
+    finally:
+        bs.stop_all()
+        for n in (1, 2, 3):  # shown by pytest only when the test failed
+            print(f"--- broker {n} log\n{bs.tail(n, 40)}")
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    yield
+    close_all()

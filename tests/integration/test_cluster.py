@@ -13,12 +13,13 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pika
 import pika.exceptions
 import pytest
+from brokerclients import OPEN as _OPEN
+from brokerclients import connect, drain, queues
 
 from cpgbroker.devbrokers import BrokerSet
 from cpgbroker.devcluster import DevCluster
@@ -26,59 +27,6 @@ from cpgbroker.devcluster import DevCluster
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def brokers(cluster: DevCluster) -> Iterator[BrokerSet]:
-    """A fresh 3-member broker cluster (its own CPG group) on the shared corosync cluster."""
-    group = f"t{uuid.uuid4().hex[:10]}"
-    bs = BrokerSet(cluster, group=group, name=f"broker-{group}")
-    try:
-        bs.start_all(timeout=60)
-        yield bs
-    finally:
-        bs.stop_all()
-        for n in (1, 2, 3):  # shown by pytest only when the test failed
-            print(f"--- broker {n} log\n{bs.tail(n, 40)}")
-
-
-_OPEN: list[pika.BlockingConnection] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_clients() -> Iterator[None]:
-    """Every client connection a test opened is closed after it (also those whose member
-    died), so no socket outlives its test."""
-    yield
-    while _OPEN:
-        conn = _OPEN.pop()
-        with contextlib.suppress(Exception):
-            if conn.is_open:
-                conn.close()
-        with contextlib.suppress(Exception):
-            conn._impl._transport._sock.close()  # the member may have died under it
-
-
-def connect(bs: BrokerSet, node: int) -> pika.BlockingConnection:
-    p = pika.URLParameters(bs.url(node))
-    p.socket_timeout = 5
-    p.blocked_connection_timeout = 10
-    conn = pika.BlockingConnection(p)
-    _OPEN.append(conn)
-    return conn
-
-
-def drain(conn: pika.BlockingConnection, until, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not until():
-        assert time.monotonic() < deadline, "timed out waiting for deliveries"
-        conn.process_data_events(0.05)
-
-
-def queues(bs: BrokerSet, node: int) -> dict:
-    s = bs.status(node)
-    assert s is not None
-    return s["queues"]
 
 
 def test_publish_on_one_member_consume_on_the_others(brokers: BrokerSet) -> None:
@@ -328,14 +276,6 @@ def test_member_list_reaches_clients(brokers: BrokerSet) -> None:
         time.sleep(0.2)
     assert len(body.decode().split("\n")) == 2
     assert p.headers["members"] == body.decode().split("\n")
-
-
-def test_a_member_joining_a_serving_cluster_refuses_with_a_clear_reason(brokers: BrokerSet) -> None:
-    extra = BrokerSet(brokers.dc, group=brokers.group, name="late-joiner")
-    proc = extra.start(1)
-    assert proc.wait(30) == 3, extra.tail(1, 40)
-    assert "needs a state update" in extra.tail(1, 40)
-    brokers.converged([1, 2, 3])
 
 
 def test_status_command_shows_members_and_queues(brokers: BrokerSet) -> None:

@@ -172,3 +172,45 @@ def test_cluster_time_starts_before_any_client_event_at_the_latest_hello_clock()
     acts = view.on_hello(hello(1))  # clock 1000
     assert acts[0] == ApplyToModel(Tick(2000))
     assert isinstance(acts[1], BecomeReady)
+
+
+def test_update_request_round_trips_and_only_the_newcomer_may_ask() -> None:
+    req = codec.UpdateRequest(M, M + 1, "127.0.0.1:40000", b"t" * 16)
+    blob = codec.HEADER + codec.encode(req)
+    assert codec.decode_batch(blob, M) == [req]
+    with pytest.raises(ClusterError):
+        codec.decode_batch(blob, M + 2)
+    with pytest.raises(ClusterError):
+        codec.decode_batch(blob[:-3], M)
+
+
+def test_updated_newcomer_adopts_the_view_and_serves_from_its_ready_hello() -> None:
+    """The updater's view at the update point becomes the newcomer's; from there both follow
+    the stream alike, and the newcomer's ready hello changes the member list everywhere at
+    the same point."""
+    old = start(1, size=2)
+    old.on_confchg([1], [1], [])
+    old.on_hello(hello(1))
+    old.on_confchg([1, 2], [2], [])
+    old.on_hello(hello(2))
+    old.on_hello(hello(1))
+    assert old.state == READY
+    assert old.on_confchg([1, 2, 4], [4], []) == [SendHello(STATUS_READY)]
+    new = start(4)
+    new.on_confchg([1, 2, 4], [4], [])
+    assert isinstance(new.on_hello(hello(1, STATUS_READY))[0], NeedUpdate)
+    old.on_hello(hello(4))
+    new.on_hello(hello(4))
+    new.adopt(old.export())
+    assert new.state == READY and new.export() == old.export()
+    assert new.ready_members == [1, 2]
+    # A ready member leaving: both report it to the model at the same point.
+    assert new.on_confchg([1, 4], [], [2]) == old.on_confchg([1, 4], [], [2])
+    # The newcomer's ready hello: both add its URL; only the newcomer starts serving.
+    acts_old = old.on_hello(hello(4, STATUS_READY))
+    acts_new = new.on_hello(hello(4, STATUS_READY))
+    assert acts_old == [ApplyToModel(ClusterMembers(("amqp://m1/", "amqp://m4/")))]
+    assert acts_new == [*acts_old, BecomeReady()]
+    assert old.export() == new.export()
+    # A second ready hello (an answer to a later join) changes nothing.
+    assert old.on_hello(hello(4, STATUS_READY)) == []

@@ -41,6 +41,7 @@ T_TICK = 6
 T_HELLO = 10
 T_CHECKPOINT = 11
 T_PROGRESS = 12
+T_UPDATE_REQUEST = 13
 
 STATUS_NEW = 0
 STATUS_READY = 1
@@ -83,7 +84,19 @@ class Progress:
     seq: int
 
 
-ClusterControl = Hello | Checkpoint | Progress
+@attrs.frozen
+class UpdateRequest:
+    """Newcomer ``member`` asks ``updater`` for the state at the point where this request is
+    delivered. The updater connects to ``address`` and proves with ``token`` that it is the
+    member this request reached: the token travels only inside the CPG group."""
+
+    member: int
+    updater: int
+    address: str
+    token: bytes
+
+
+ClusterControl = Hello | Checkpoint | Progress | UpdateRequest
 
 _CONN = struct.Struct(">QI")
 _DATA = struct.Struct(">BQII")
@@ -159,6 +172,15 @@ def encode(ev: Any) -> bytes:
         )
     if t is Progress:
         return _U8.pack(T_PROGRESS) + _U64.pack(ev.member) + _U64.pack(ev.seq)
+    if t is UpdateRequest:
+        return (
+            _U8.pack(T_UPDATE_REQUEST)
+            + _U64.pack(ev.member)
+            + _U64.pack(ev.updater)
+            + _str(ev.address)
+            + _U8.pack(len(ev.token))
+            + bytes(ev.token)
+        )
     raise ClusterError(f"cannot encode {ev!r}")
 
 
@@ -228,6 +250,18 @@ def decode_batch(data: bytes, sender: int) -> list[Any]:
                 member, seq = struct.unpack_from(">QQ", data, p)
                 out.append(Progress(member, seq))
                 p += 16
+                continue
+            if t == T_UPDATE_REQUEST:
+                member, updater = struct.unpack_from(">QQ", data, p)
+                if member != sender:
+                    raise ClusterError(f"member {sender} asked for an update for {member}")
+                address, p = _read_str(data, p + 16)
+                tlen = data[p]
+                token = bytes(data[p + 1 : p + 1 + tlen])
+                if len(token) != tlen:
+                    raise IndexError("token past the end of the batch")
+                out.append(UpdateRequest(member, updater, address, token))
+                p += 1 + tlen
                 continue
             if t == T_CHECKPOINT:
                 member, seq = struct.unpack_from(">QQ", data, p)

@@ -14,6 +14,10 @@ member makes the same decision at the same point.
   the latest clock any hello carried (a ``Tick`` applied before any client event).
 * A newcomer that hears a ready member's hello needs a state update (``NeedUpdate``); one that
   hears an incompatible hello (another model version or configuration) is refused (``Fatal``).
+  The update carries the updater's view of the membership at the update point
+  (:meth:`Membership.export`), which the newcomer adopts (:meth:`Membership.adopt`) before it
+  replays the events delivered after that point; once caught up it says ``Hello(ready)``, and
+  every member (the newcomer too) counts it as serving from where that hello is delivered.
 * A member leaving (CPG confchg) becomes ``MemberLeft`` for the model, so every replica closes
   its clients' shadow connections at that point, followed by the new member list.
 * The clock master, which multicasts cluster time, is the ready member with the lowest member
@@ -100,6 +104,23 @@ class Membership:
         ready = self.ready_members
         return ready[0] if ready else None
 
+    def export(self) -> list[list[Any]]:
+        """This view of the members (what a newcomer adopts with its state update)."""
+        return [
+            [i.member, -1 if i.status is None else i.status, i.url, i.software, i.now_ms]
+            for i in self.members.values()
+        ]
+
+    def adopt(self, rows: list[list[Any]]) -> None:
+        """Take over an updater's view at the update point: from there on this member follows
+        the stream exactly as the members that were there from the start."""
+        self.members = {
+            r[0]: MemberInfo(r[0], None if r[1] < 0 else r[1], r[2], r[3], r[4]) for r in rows
+        }
+        self.members.setdefault(self.me, MemberInfo(self.me, STATUS_NEW, self.url))
+        self.joined = True
+        self.state = READY
+
     def urls(self) -> tuple[str, ...]:
         return tuple(
             self.members[m].url
@@ -166,6 +187,18 @@ class Membership:
         info.url = h.url
         info.software = h.software
         info.now_ms = h.now_ms
+        if self.state == READY:
+            if h.status == STATUS_READY and info.status != STATUS_READY:
+                # A member that caught up through a state update starts serving here: its URL
+                # joins the list clients fail over to, at the same point on every member.
+                info.status = STATUS_READY
+                acts: list[Action] = [ApplyToModel(ClusterMembers(self.urls()))]
+                if h.member == self.me:
+                    acts.append(BecomeReady())
+                return acts
+            if info.status is None:
+                info.status = h.status
+            return []
         if h.member == self.me:
             if info.status is None:
                 info.status = h.status

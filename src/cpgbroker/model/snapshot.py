@@ -20,6 +20,8 @@ import collections
 import datetime
 import decimal
 import hashlib
+import itertools
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from cpgbroker.errors import InvariantError
@@ -146,11 +148,25 @@ def _dec(d: bytes, p: int) -> tuple[Any, int]:
 
 # ---------------------------------------------------------------------- snapshot
 
+# Ready messages per "entries" part: keeps every part small (a few MiB at most for typical
+# bodies) so a state transfer streams in bounded memory and the receiver can interleave
+# restoring with other work.
+CHUNK = 1000
 
-def snapshot(b: Broker) -> dict[str, Any]:
+
+def parts(b: Broker, chunk: int = CHUNK) -> Iterator[Any]:
+    """The snapshot as a sequence of small plain-value parts, in a fixed order:
+
+    ``{"format", ...head}``, then per queue ``["queue", index, meta]`` followed by its ready
+    messages as ``["entries", index, new_messages, entries]`` chunks, then ``["vhost", ...]``
+    per vhost, ``["conn", new_messages, conn]`` per connection and ``["tail", ...]``.
+
+    Queues are numbered once up front (also deleted queues that unacked deliveries or
+    consumers still reference); a message shared by several queues travels once, with the
+    first part that references it.
+    """
     queues: list[Queue] = []
     qindex: dict[int, int] = {}
-    messages: dict[int, Message] = {}
 
     def qref(q: Queue) -> int:
         i = qindex.get(id(q))
@@ -159,26 +175,34 @@ def snapshot(b: Broker) -> dict[str, Any]:
             queues.append(q)
         return i
 
-    def entry(e: Entry) -> list[Any]:
-        messages.setdefault(e.msg.id, e.msg)
-        return [e.msg.id, e.redelivered, e.expires_at]
-
-    vhosts = []
     for vh in b.vhosts.values():
-        vhosts.append(
-            {
-                "name": vh.name,
-                "exchanges": [_exchange(ex, qref) for ex in vh.exchanges.values()],
-                "queues": [qref(q) for q in vh.queues.values()],
-            }
-        )
-    conns = [_connection(c, qref, entry) for c in b.connections.values()]
-    ttl_queues = [qref(q) for q in b._ttl_queues.values()]
-    expiring = [qref(q) for q in b._expiring.values()]
-    # Queue bodies last, once every queue (also deleted ones that unacked messages still
-    # reference) has its index; walking them adds no new queue.
-    qdata = [_queue(q, entry) for q in queues]
-    return {
+        for ex in vh.exchanges.values():
+            for bd in ex.bindings:
+                if isinstance(bd.dest, Queue):
+                    qref(bd.dest)
+        for q in vh.queues.values():
+            qref(q)
+    for c in b.connections.values():
+        for ch in c.channels.values():
+            for q, _e, _c in ch.unacked.values():
+                qref(q)
+            for k in ch.consumers.values():
+                qref(k.queue)
+    for q in b._ttl_queues.values():
+        qref(q)
+    for q in b._expiring.values():
+        qref(q)
+
+    sent: dict[int, None] = {}  # ids of messages already in an earlier part
+
+    def entry(e: Entry, new: list[Any]) -> list[Any]:
+        m = e.msg
+        if m.id not in sent:
+            sent[m.id] = None
+            new.append(_message(m))
+        return [m.id, e.redelivered, e.expires_at]
+
+    yield {
         "format": SNAPSHOT_FORMAT,
         "now_ms": b.now_ms,
         "event_seq": b.event_seq,
@@ -186,13 +210,48 @@ def snapshot(b: Broker) -> dict[str, Any]:
         "queued_bytes": b.queued_bytes,
         "blocked": b.blocked,
         "member_urls": list(b.member_urls),
-        "vhosts": vhosts,
-        "queues": qdata,
-        "messages": [_message(m) for m in messages.values()],
-        "connections": conns,
-        "ttl_queues": ttl_queues,
-        "expiring": expiring,
+        "queues": len(queues),
+        "messages": sum(len(q.messages) + q.unacked for q in queues),
+        "connections": len(b.connections),
     }
+    for i, q in enumerate(queues):
+        yield ["queue", i, _queue(q)]
+        msgs = q.messages
+        for start in range(0, len(msgs), chunk):
+            new: list[Any] = []
+            entries = [
+                entry(e, new) for e in itertools.islice(msgs, start, min(start + chunk, len(msgs)))
+            ]
+            yield ["entries", i, new, entries]
+    for vh in b.vhosts.values():
+        yield [
+            "vhost",
+            {
+                "name": vh.name,
+                "exchanges": [_exchange(ex, qref) for ex in vh.exchanges.values()],
+                "queues": [qref(q) for q in vh.queues.values()],
+            },
+        ]
+    for c in b.connections.values():
+        new = []
+        conn = _connection(c, qref, lambda e, new=new: entry(e, new))
+        yield ["conn", new, conn]
+    yield [
+        "tail",
+        {
+            "ttl_queues": [qref(q) for q in b._ttl_queues.values()],
+            "expiring": [qref(q) for q in b._expiring.values()],
+            "queue_consumers": [
+                [[c.channel.conn.id, c.channel.id, c.tag] for c in q.consumers] for q in queues
+            ],
+        },
+    ]
+
+
+def snapshot(b: Broker) -> list[Any]:
+    """The whole snapshot as one value (the list of :func:`parts`): for tests and small
+    states; a state transfer streams the parts instead."""
+    return list(parts(b))
 
 
 def _message(m: Message) -> list[Any]:
@@ -225,7 +284,7 @@ def _exchange(ex: Exchange, qref: Any) -> dict[str, Any]:
     }
 
 
-def _queue(q: Queue, entry: Any) -> dict[str, Any]:
+def _queue(q: Queue) -> dict[str, Any]:
     return {
         "name": q.name,
         "vhost": q.vhost,
@@ -240,8 +299,6 @@ def _queue(q: Queue, entry: Any) -> dict[str, Any]:
         "overflow": q.overflow,
         "dlx": q.dlx,
         "dlrk": q.dlrk,
-        "messages": [entry(e) for e in q.messages],
-        "consumers": [[c.channel.conn.id, c.channel.id, c.tag] for c in q.consumers],
         "rr": q.rr,
         "unacked": q.unacked,
         "ready_bytes": q.ready_bytes,
@@ -327,60 +384,140 @@ def _channel(ch: Channel, qref: Any, entry: Any) -> dict[str, Any]:
     }
 
 
+def digest_bytes(b: Broker) -> bytes:
+    """SHA-256 over the encoded parts: equal on replicas exactly when state is equal. Streams
+    part by part, so it never holds an encoding of the whole state."""
+    h = hashlib.sha256()
+    for part in parts(b):
+        h.update(encode(part))
+    return h.digest()
+
+
 def digest(b: Broker) -> str:
-    """SHA-256 over the canonical snapshot: equal on replicas exactly when state is equal."""
-    return hashlib.sha256(encode(snapshot(b))).hexdigest()
+    return digest_bytes(b).hex()
 
 
 # ---------------------------------------------------------------------- restore
 
 
-def restore(data: dict[str, Any], config: BrokerConfig | None = None) -> Broker:
-    """Rebuild a broker from :func:`snapshot` output. Every connection comes back as a shadow
-    (``emit`` false): the restoring member owns none of them."""
-    if data.get("format") != SNAPSHOT_FORMAT:
-        raise InvariantError(f"snapshot format {data.get('format')} is not {SNAPSHOT_FORMAT}")
-    b = Broker(config)
-    b.now_ms = data["now_ms"]
-    b.event_seq = data["event_seq"]
-    b.msg_seq = data["msg_seq"]
-    b.queued_bytes = data["queued_bytes"]
-    b.blocked = data["blocked"]
-    b.member_urls = tuple(data["member_urls"])
-    msgs = {m[0]: _restore_message(m) for m in data["messages"]}
+def restore(data: Iterable[Any], config: BrokerConfig | None = None) -> Broker:
+    """Rebuild a broker from :func:`snapshot` output (or the :func:`parts` themselves)."""
+    r = Restorer(config)
+    for part in data:
+        r.feed(part)
+    return r.finish()
 
-    def entry(raw: list[Any]) -> Entry:
-        return Entry(msgs[raw[0]], raw[1], raw[2])
 
-    queues: list[Queue] = []
-    for qd in data["queues"]:
-        q = Queue(
-            name=qd["name"],
-            vhost=qd["vhost"],
-            durable=qd["durable"],
-            exclusive_owner=qd["exclusive_owner"],
-            auto_delete=qd["auto_delete"],
-            arguments=qd["arguments"],
-            ttl=qd["ttl"],
-            expires=qd["expires"],
-            max_length=qd["max_length"],
-            max_length_bytes=qd["max_length_bytes"],
-            overflow=qd["overflow"],
-            dlx=qd["dlx"],
-            dlrk=qd["dlrk"],
-            rr=qd["rr"],
-            unacked=qd["unacked"],
-            ready_bytes=qd["ready_bytes"],
-            had_consumers=qd["had_consumers"],
-            last_used_ms=qd["last_used_ms"],
-            deleted=qd["deleted"],
-            bindings=[(x[0], x[1], x[2]) for x in qd["bindings"]],
+class Restorer:
+    """Rebuilds a broker part by part, in the order :func:`parts` yields them, so a member
+    receiving a state transfer can restore while it does other work. Every connection comes
+    back as a shadow (``emit`` false): the restoring member owns none of them."""
+
+    def __init__(self, config: BrokerConfig | None = None) -> None:
+        self.b = Broker(config)
+        self.b.vhosts = {}
+        self.head: dict[str, Any] | None = None
+        self.queues: list[Queue] = []
+        self.msgs: dict[int, Message] = {}
+        self.consumers: dict[tuple[int, int, str], Consumer] = {}
+        self.tail: dict[str, Any] | None = None
+        self.parts = 0
+        self.messages = 0  # ready and unacked entries restored so far (progress)
+
+    def feed(self, part: Any) -> None:
+        self.parts += 1
+        if self.head is None:
+            if not isinstance(part, dict) or part.get("format") != SNAPSHOT_FORMAT:
+                got = part.get("format") if isinstance(part, dict) else type(part).__name__
+                raise InvariantError(f"snapshot format {got} is not {SNAPSHOT_FORMAT}")
+            self._head(part)
+            return
+        if self.tail is not None:
+            raise InvariantError("snapshot part after the tail")
+        kind = part[0]
+        if kind == "entries":
+            self._messages(part[2])
+            q = self.queues[part[1]]
+            msgs = self.msgs
+            q.messages.extend(Entry(msgs[r[0]], r[1], r[2]) for r in part[3])
+            self.messages += len(part[3])
+        elif kind == "queue":
+            self._queue(part[1], part[2])
+        elif kind == "vhost":
+            self._vhost(part[1])
+        elif kind == "conn":
+            self._messages(part[1])
+            self._connection(part[2])
+        elif kind == "tail":
+            self.tail = part[1]
+        else:
+            raise InvariantError(f"unknown snapshot part {kind!r}")
+
+    def finish(self) -> Broker:
+        if self.head is None or self.tail is None:
+            raise InvariantError("snapshot ended before its tail")
+        b, queues = self.b, self.queues
+        if len(queues) != self.head["queues"]:
+            raise InvariantError(
+                f"snapshot has {len(queues)} queues, expected {self.head['queues']}"
+            )
+        for q, keys in zip(queues, self.tail["queue_consumers"], strict=True):
+            q.consumers = [self.consumers[(k[0], k[1], k[2])] for k in keys]
+        b._ttl_queues = {
+            (queues[i].vhost, queues[i].name): queues[i] for i in self.tail["ttl_queues"]
+        }
+        b._expiring = {(queues[i].vhost, queues[i].name): queues[i] for i in self.tail["expiring"]}
+        _check(b)
+        return b
+
+    # -- parts
+    def _head(self, h: dict[str, Any]) -> None:
+        b = self.b
+        b.now_ms = h["now_ms"]
+        b.event_seq = h["event_seq"]
+        b.msg_seq = h["msg_seq"]
+        b.queued_bytes = h["queued_bytes"]
+        b.blocked = h["blocked"]
+        b.member_urls = tuple(h["member_urls"])
+        self.head = h
+
+    def _messages(self, rows: list[Any]) -> None:
+        for m in rows:
+            self.msgs[m[0]] = _restore_message(m)
+
+    def _entry(self, raw: list[Any]) -> Entry:
+        return Entry(self.msgs[raw[0]], raw[1], raw[2])
+
+    def _queue(self, i: int, qd: dict[str, Any]) -> None:
+        if i != len(self.queues):
+            raise InvariantError(f"snapshot queue {i} out of order")
+        self.queues.append(
+            Queue(
+                name=qd["name"],
+                vhost=qd["vhost"],
+                durable=qd["durable"],
+                exclusive_owner=qd["exclusive_owner"],
+                auto_delete=qd["auto_delete"],
+                arguments=qd["arguments"],
+                ttl=qd["ttl"],
+                expires=qd["expires"],
+                max_length=qd["max_length"],
+                max_length_bytes=qd["max_length_bytes"],
+                overflow=qd["overflow"],
+                dlx=qd["dlx"],
+                dlrk=qd["dlrk"],
+                rr=qd["rr"],
+                unacked=qd["unacked"],
+                ready_bytes=qd["ready_bytes"],
+                had_consumers=qd["had_consumers"],
+                last_used_ms=qd["last_used_ms"],
+                deleted=qd["deleted"],
+                bindings=[(x[0], x[1], x[2]) for x in qd["bindings"]],
+            )
         )
-        q.messages = collections.deque(entry(e) for e in qd["messages"])
-        queues.append(q)
 
-    b.vhosts = {}
-    for vd in data["vhosts"]:
+    def _vhost(self, vd: dict[str, Any]) -> None:
+        queues = self.queues
         vh = VHost(vd["name"])
         for xd in vd["exchanges"]:
             vh.exchanges[xd["name"]] = Exchange(
@@ -400,10 +537,10 @@ def restore(data: dict[str, Any], config: BrokerConfig | None = None) -> Broker:
                 ex.bind(queues[dest] if kind == "q" else vh.exchanges[dest], key, args)
         for qi in vd["queues"]:
             vh.queues[queues[qi].name] = queues[qi]
-        b.vhosts[vh.name] = vh
+        self.b.vhosts[vh.name] = vh
 
-    consumers_by_key: dict[tuple[int, int, str], Consumer] = {}
-    for cd in data["connections"]:
+    def _connection(self, cd: dict[str, Any]) -> None:
+        queues = self.queues
         conn = Connection(
             id=cd["id"],
             member=cd["member"],
@@ -460,13 +597,14 @@ def restore(data: dict[str, Any], config: BrokerConfig | None = None) -> Broker:
                 )
                 c.unacked = kd["unacked"]
                 ch.consumers[c.tag] = c
-                consumers_by_key[(conn.id, ch.id, c.tag)] = c
+                self.consumers[(conn.id, ch.id, c.tag)] = c
             for tag, qi, raw, ctag in chd["unacked"]:
                 ch.unacked[tag] = (
                     queues[qi],
-                    entry(raw),
+                    self._entry(raw),
                     None if ctag is None else ch.consumers.get(ctag),
                 )
+            self.messages += len(chd["unacked"])
             for op in chd["tx_ops"]:
                 if op[0] == "publish":
                     ch.tx_ops.append(("publish", _restore_message(op[1]), op[2]))
@@ -478,14 +616,7 @@ def restore(data: dict[str, Any], config: BrokerConfig | None = None) -> Broker:
                     p.append(fp.parse_content_header(p[3]))
                 ch.pending = p
             conn.channels[ch.id] = ch
-        b.connections[conn.id] = conn
-
-    for q, qd in zip(queues, data["queues"], strict=True):
-        q.consumers = [consumers_by_key[(k[0], k[1], k[2])] for k in qd["consumers"]]
-    b._ttl_queues = {(queues[i].vhost, queues[i].name): queues[i] for i in data["ttl_queues"]}
-    b._expiring = {(queues[i].vhost, queues[i].name): queues[i] for i in data["expiring"]}
-    _check(b)
-    return b
+        self.b.connections[conn.id] = conn
 
 
 def _restore_message(m: list[Any]) -> Message:

@@ -10,12 +10,14 @@ every decision at the same point of the order.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
 import logging
 import os
 import time
+import urllib.parse
 from typing import IO, Any
 
 import attrs
@@ -24,8 +26,16 @@ import trio
 from cpgbroker import MODEL_VERSION, __version__
 from cpgbroker.cluster import codec
 from cpgbroker.cluster.checkpoint import Checkpoints, Verdict
-from cpgbroker.cluster.codec import STATUS_NAMES, Checkpoint, Hello, Progress
+from cpgbroker.cluster.codec import (
+    STATUS_NAMES,
+    STATUS_READY,
+    Checkpoint,
+    Hello,
+    Progress,
+    UpdateRequest,
+)
 from cpgbroker.cluster.membership import (
+    NEEDS_UPDATE,
     READY,
     ApplyToModel,
     BecomeReady,
@@ -34,7 +44,7 @@ from cpgbroker.cluster.membership import (
     NeedUpdate,
     SendHello,
 )
-from cpgbroker.config import ServerConfig
+from cpgbroker.config import ServerConfig, parse_listen
 from cpgbroker.cpg import (
     MAX_IOVEC,
     ConfChg,
@@ -45,8 +55,9 @@ from cpgbroker.cpg import (
 )
 from cpgbroker.errors import ClusterError, CpgError
 from cpgbroker.model import snapshot
+from cpgbroker.model.broker import Broker
 from cpgbroker.model.events import ClientConnected, ClientData, Event, Tick
-from cpgbroker.runtime import admin
+from cpgbroker.runtime import admin, update
 from cpgbroker.runtime.cpg_trio import TrioCpg, open_cpg
 from cpgbroker.runtime.server import Node, forced_close_frame, open_listeners, wait_for_signal
 
@@ -123,6 +134,21 @@ class ClusterNode(Node):
         self.shunned: set[int] = set()
         self.max_lag = config.cluster.max_lag
         self.progress_every = max(1, min(PROGRESS_EVERY, self.max_lag // 4))
+        # -- state update, newcomer side (see runtime/update.py and docs/architecture.md)
+        self.update_address = ""
+        self._attempt: UpdateRequest | None = None  # our outstanding request
+        self._request_delivered = trio.Event()
+        # Stream items delivered after our request: (event, sender), or (CPG item, None).
+        self._buffer: collections.deque[tuple[Any, int | None]] | None = None
+        self._installed = False
+        self._installed_evt = trio.Event()
+        self._excluded: dict[int, None] = {}  # updaters that failed us (order kept)
+        self._receive_scope: trio.CancelScope | None = None
+        self.update_progress: update.UpdateProgress | None = None
+        self.update_attempts = 0
+        self.replayed = 0
+        # -- state update, updater side: forked children streaming a snapshot
+        self.updates: dict[int, dict[str, Any]] = {}
 
     # ------------------------------------------------------------------ sequencer
 
@@ -199,18 +225,49 @@ class ClusterNode(Node):
                         continue  # diverged in a partition; it is leaving
                     for e in codec.decode_batch(ev.data, sender):  # type: ignore[union-attr]
                         self._on_event(e, sender)
-                elif t is ConfChg:
-                    self._on_confchg(ev)  # type: ignore[arg-type]
-                elif t is PartitionMerge:
-                    self._on_partition_merge(ev)  # type: ignore[arg-type]
                 elif t is RingChangeSameMembers:
                     log.info("ring re-formed with the same members ring=%s", ev.ring_id)  # type: ignore[union-attr]
+                else:
+                    self._on_event(ev, None)
 
-    def _on_event(self, e: Any, sender: int) -> None:
+    def _on_event(self, e: Any, sender: int | None) -> None:
+        """Every item of the stream passes here. A newcomer keeps what arrives after its
+        update point, to replay once the state of that point is installed."""
+        buf = self._buffer
+        if buf is not None:
+            buf.append((e, sender))
+            if self._installed:
+                return
+            # Until the state is installed, membership still follows the stream live (the
+            # newcomer must know who can update it if its updater fails); the model does not.
+        if sender is None:
+            self._on_cpg_item(e)
+        else:
+            self._process_event(e, sender)
+
+    def _on_cpg_item(self, ev: Any) -> None:
+        if type(ev) is ConfChg:
+            self._on_confchg(ev)
+        elif type(ev) is PartitionMerge:
+            self._on_partition_merge(ev)
+
+    def _process_event(self, e: Any, sender: int) -> None:
         t = type(e)
         if t is Hello:
+            was = self.membership.members.get(e.member)
+            newly_ready = e.status == STATUS_READY and (was is None or was.status != STATUS_READY)
             self._act(self.membership.on_hello(e))
+            if newly_ready:
+                # A member that just caught up through an update: count its lag from here.
+                self.peer_progress[e.member] = max(
+                    self.peer_progress.get(e.member, 0), self.broker.event_seq
+                )
             self._log_event("hello", sender, None, 0, status=STATUS_NAMES.get(e.status, "?"))
+            if self.membership.state == NEEDS_UPDATE and self._attempt is None:
+                self._request_update()
+            return
+        if t is UpdateRequest:
+            self._on_update_request(e)
             return
         if t is Progress:
             self.peer_progress[e.member] = e.seq
@@ -251,7 +308,7 @@ class ClusterNode(Node):
         if seq % self.progress_every == 0:
             self._queue(codec.encode(Progress(self.member, seq)))
         if seq % self.checkpoint_every == 0:
-            digest = hashlib.sha256(snapshot.encode(snapshot.snapshot(self.broker))).digest()
+            digest = snapshot.digest_bytes(self.broker)
             self._queue(codec.encode(Checkpoint(self.member, seq, digest)))
             if self._event_log is not None:
                 self._write_log({"type": "checkpoint", "seq": seq, "digest": digest.hex()})
@@ -288,6 +345,8 @@ class ClusterNode(Node):
         ]
         left = [member_id(m.nodeid, m.pid) for m in ev.left]
         self.shunned.difference_update(left)
+        for gone in left:
+            self.peer_progress.pop(gone, None)
         for m in ev.left:
             log.warning(
                 "member left member=%s node=%s pid=%s reason=%s",
@@ -299,6 +358,9 @@ class ClusterNode(Node):
         for m in ev.joined:
             log.info("member joined node=%s pid=%s", m.nodeid, m.pid)
         self._act(self.membership.on_confchg(members, joined, left))
+        a = self._attempt
+        if a is not None and not self._installed and a.updater in left:
+            self._retry_update(f"updater {a.updater} left the cluster", exclude=a.updater)
         if left and self.membership.state == READY:
             for verdict in self.checkpoints.members_changed(self.membership.ready_members):
                 self._on_verdict(verdict)
@@ -335,13 +397,185 @@ class ClusterNode(Node):
                 self.apply(a.event)
                 self._after_apply(a.event, 0)
             elif t is NeedUpdate:
-                raise ClusterError(
-                    f"{a.reason}; state transfer to a new member is not available in this "
-                    "version: restart the whole cluster, or run this member only with a "
-                    "cluster that is starting"
-                )
+                log.info("%s", a.reason)
+                self._request_update()
             elif t is Fatal:
                 raise ClusterError(a.reason)
+
+    # ------------------------------------------------------------------ state update
+
+    def _request_update(self) -> None:
+        """Ask a serving member for the state at the point where this request is delivered.
+        The highest-id serving member is asked (the lowest is the clock master); members that
+        failed an earlier attempt only when nobody else is left."""
+        ready = [m for m in self.membership.ready_members if m != self.member]
+        candidates = [m for m in ready if m not in self._excluded] or ready
+        self._buffer = None
+        self._request_delivered = trio.Event()
+        if not candidates:
+            self._attempt = None
+            log.warning("no serving member to take a state update from yet; waiting")
+            return
+        self.update_attempts += 1
+        self._attempt = UpdateRequest(
+            self.member, candidates[-1], self.update_address, os.urandom(update.TOKEN_BYTES)
+        )
+        log.info(
+            "requesting a state update from member=%s (attempt %d)",
+            candidates[-1],
+            self.update_attempts,
+        )
+        self._queue(codec.encode(self._attempt))
+
+    def _retry_update(self, reason: str, exclude: int | None) -> None:
+        log.warning("state update failed: %s; asking another member", reason)
+        if exclude is not None:
+            self._excluded[exclude] = None
+        if self._receive_scope is not None:
+            self._receive_scope.cancel()
+        self.update_progress = None
+        self._request_update()
+
+    def _on_update_request(self, e: UpdateRequest) -> None:
+        if e.member == self.member:
+            a = self._attempt
+            if a is None or e.token != a.token or self._installed:
+                return  # a superseded attempt
+            if e.updater not in self.membership.members:
+                self._retry_update(f"member {e.updater} left before the request", None)
+                return
+            # The update point: from here on, the stream is kept for replay.
+            self._buffer = collections.deque()
+            self._request_delivered.set()
+            return
+        me = self.membership.members.get(self.member)
+        if (
+            e.updater != self.member
+            or self.membership.state != READY
+            or me is None
+            or me.status != STATUS_READY
+            or e.member not in self.membership.members
+        ):
+            return
+        pid = update.fork_updater(
+            e.address,
+            e.token,
+            self.broker,
+            self.membership.export(),
+            self.member,
+            e.member,
+            self.cluster_cfg.update_rate_limit,
+        )
+        self.updates[pid] = {
+            "newcomer": e.member,
+            "pid": pid,
+            "seq": self.broker.event_seq,
+            "started": time.monotonic(),
+        }
+        log.info(
+            "sending a state update to member=%s seq=%s (child pid %s)",
+            e.member,
+            self.broker.event_seq,
+            pid,
+        )
+
+    async def reap_updaters(self) -> None:
+        """Collect finished updater children (no threads: poll)."""
+        while True:
+            await trio.sleep(0.5)
+            for pid in list(self.updates):
+                try:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    done, status = pid, 0
+                if done:
+                    info = self.updates.pop(pid)
+                    code = os.waitstatus_to_exitcode(status)
+                    (log.info if code == 0 else log.warning)(
+                        "state update to member=%s finished exit=%s after %.1f s",
+                        info["newcomer"],
+                        code,
+                        time.monotonic() - info["started"],
+                    )
+
+    async def update_handler(self, stream: trio.SocketStream) -> None:
+        """An updater connects: check the token, restore while the stream keeps flowing into
+        the buffer, then install and catch up."""
+        async with stream:
+            try:
+                reader, token = await update.read_token(stream)
+            except (ClusterError, trio.TooSlowError, trio.BrokenResourceError, OSError) as e:
+                log.warning("rejected a state transfer connection: %s", e)
+                return
+            a = self._attempt
+            if a is None or token != a.token or self._installed:
+                log.warning("rejected a state transfer connection with an unknown token")
+                return
+            progress = self.update_progress = update.UpdateProgress(a.updater)
+            restorer = snapshot.Restorer(self.config.broker)
+            with trio.CancelScope() as scope:
+                self._receive_scope = scope
+                try:
+                    broker, members = await update.receive_update(reader, restorer, progress)
+                    # The state is the one at our request's delivery; install once that
+                    # point has been delivered here too (the buffer starts there).
+                    await self._request_delivered.wait()
+                # Whatever breaks a transfer (connection, corrupt data, decode errors), the
+                # remedy is the same: ask again, elsewhere.
+                except Exception as e:
+                    if self._attempt is a:
+                        self._retry_update(f"transfer from member {a.updater}: {e}", a.updater)
+                    return
+                finally:
+                    self._receive_scope = None
+            if scope.cancelled_caught or self._attempt is not a:
+                return
+            self._install(broker, members, progress)
+
+    def _install(self, broker: Broker, members: list[list[Any]], p: update.UpdateProgress) -> None:
+        self.broker = broker
+        self.membership.adopt(members)
+        self._installed = True
+        self._attempt = None
+        for m in self.membership.ready_members:
+            self.peer_progress[m] = broker.event_seq
+        log.info(
+            "state update installed seq=%s messages=%d parts=%d %.1f MiB in %.1f s; "
+            "replaying %d events delivered since",
+            broker.event_seq,
+            p.messages,
+            p.parts,
+            p.bytes / 2**20,
+            time.monotonic() - p.started,
+            len(self._buffer or ()),
+        )
+        self._installed_evt.set()
+
+    async def catch_up(self) -> None:
+        """Replay what was delivered after the update point, then say we serve."""
+        await self._installed_evt.wait()
+        buf = self._buffer
+        assert buf is not None
+        n = 0
+        while buf:
+            e, sender = buf.popleft()
+            if sender is None:
+                self._on_cpg_item(e)
+            else:
+                self._process_event(e, sender)
+            n += 1
+            if n % 256 == 0:
+                await trio.lowlevel.checkpoint()  # the CPG reader appends meanwhile
+        # No checkpoint between the empty test and this: nothing can slip in between.
+        self._buffer = None
+        self.replayed = n
+        log.info("caught up after replaying %d events; announcing ready", n)
+        self._act([SendHello(STATUS_READY)])
+
+    def update_activity(self) -> int:
+        """Grows while an update makes progress (the ready timeout does not cut it short)."""
+        p = self.update_progress
+        return (p.bytes if p is not None else 0) + self.replayed + len(self._buffer or ())
 
     def _on_verdict(self, v: Verdict) -> None:
         if self._event_log is not None:
@@ -409,7 +643,7 @@ class ClusterNode(Node):
             {
                 "member": self.member,
                 "url": self.cluster_cfg.url,
-                "state": self.membership.state,
+                "state": self._state_name(),
                 "clock_master": self.membership.clock_master,
                 "members": [
                     {
@@ -427,14 +661,46 @@ class ClusterNode(Node):
                 else {"seq": last.seq, "digest": last.winner.hex(), "agreed": last.agreed},
                 "cpg": {"in_flight": self.cpg.in_flight, "sent": self.cpg.stats.sent},
                 "lag": {"events_behind": self.lag(), "held_back": self.lag_waits},
+                "update": None
+                if self.update_progress is None
+                else {
+                    **self.update_progress.as_dict(),
+                    "attempts": self.update_attempts,
+                    "installed": self._installed,
+                    "buffered_events": len(self._buffer or ()),
+                },
+                "updating": [
+                    {"newcomer": u["newcomer"], "seq": u["seq"], "pid": u["pid"]}
+                    for u in self.updates.values()
+                ],
             }
         )
         return out
+
+    def _state_name(self) -> str:
+        if self.membership.state == NEEDS_UPDATE:
+            return "updating" if self.update_progress is not None else "needs-update"
+        if self._installed and not self.ready.is_set():
+            return "catching-up"
+        return self.membership.state
 
     def close(self) -> None:
         if self._event_log is not None:
             self._event_log.close()
             self._event_log = None
+
+
+async def open_update_listeners(update_listen: str, url: str) -> list[trio.SocketListener]:
+    if update_listen:
+        host, port = parse_listen(update_listen)
+    else:
+        host, port = urllib.parse.urlsplit(url).hostname or "127.0.0.1", 0
+    return await trio.open_tcp_listeners(port, host=host)
+
+
+def listener_address(lst: trio.SocketListener) -> str:
+    host, port = lst.socket.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def serve_member(
@@ -466,22 +732,35 @@ async def serve_member(
                         node.failure = str(e)
                         nursery.cancel_scope.cancel()
 
+                # Where an updater reaches us if we join a cluster that already serves.
+                update_listeners = await open_update_listeners(cluster.update_listen, cluster.url)
+                node.update_address = listener_address(update_listeners[0])
+                nursery.start_soon(trio.serve_listeners, node.update_handler, update_listeners)
                 nursery.start_soon(guarded, node.sender)
                 nursery.start_soon(guarded, node.deliver_loop)
+                nursery.start_soon(guarded, node.catch_up)
                 nursery.start_soon(node.cluster_ticker)
-                with trio.move_on_after(cluster.ready_timeout) as wait:
-                    await node.ready.wait()
-                if wait.cancelled_caught:
+                nursery.start_soon(node.reap_updaters)
+                if config.admin_listen:
+                    # Before readiness: ``status`` shows a joining member's update progress.
+                    await nursery.start(admin.serve_admin, config.admin_listen, node.status)
+                activity = -1
+                while not node.ready.is_set():
+                    with trio.move_on_after(cluster.ready_timeout):
+                        await node.ready.wait()
+                    if node.ready.is_set() or nursery.cancel_scope.cancel_called:
+                        break
+                    if node.update_activity() != activity:
+                        activity = node.update_activity()  # an update is progressing: wait on
+                        continue
                     node.failure = (
                         f"the cluster did not become ready within {cluster.ready_timeout:.0f} s "
                         f"(expected {cluster.size} members, have "
-                        f"{len(node.membership.members)})"
+                        f"{len(node.membership.members)}, state {node._state_name()})"
                     )
                     nursery.cancel_scope.cancel()
                     await trio.lowlevel.checkpoint()
                 listeners, bound = await open_listeners(config)
-                if config.admin_listen:
-                    await nursery.start(admin.serve_admin, config.admin_listen, node.status)
                 accept_scope = trio.CancelScope()
 
                 async def accept() -> None:
