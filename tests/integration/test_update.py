@@ -423,3 +423,23 @@ def test_rolling_replacement_of_every_member_under_load_loses_nothing(brokers: B
         time.sleep(1)
     load.finish(timeout=90)
     brokers.converged([1, 2, 3])
+
+
+def test_newcomer_with_another_configuration_is_refused_before_any_state_moves(
+    brokers: BrokerSet,
+) -> None:
+    odd = BrokerSet(
+        brokers.dc,
+        group=brokers.group,
+        name=f"odd-{brokers.group}",
+        extra_config="\n[limits]\nframe_max = 65536\n",
+    )
+    try:
+        proc = odd.start(1)
+        assert proc.wait(30) == 3, odd.tail(1, 40)
+        assert "different configuration" in odd.tail(1, 40)
+        for n in (1, 2, 3):
+            assert not brokers.status(n)["updating"]  # type: ignore[index]
+        brokers.converged([1, 2, 3])
+    finally:
+        odd.stop_all()

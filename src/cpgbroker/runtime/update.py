@@ -40,7 +40,7 @@ from typing import Any
 import trio
 
 from cpgbroker.config import parse_listen
-from cpgbroker.errors import ClusterError
+from cpgbroker.errors import ClusterError, InvariantError
 from cpgbroker.model import snapshot
 from cpgbroker.model.broker import Broker
 
@@ -222,7 +222,10 @@ async def receive_update(
                 raise ClusterError(f"state transfer part of {n} bytes is too large")
             return await r.exactly(n) if n else b""
 
-    pre = snapshot.decode(await payload())
+    try:
+        pre = snapshot.decode(await payload())
+    except (InvariantError, ValueError, IndexError) as e:
+        raise ClusterError(f"state transfer preamble is corrupt: {e}") from e
     if not isinstance(pre, dict) or pre.get("updater") != progress.updater:
         raise ClusterError("state transfer from an unexpected member")
     progress.seq = pre["seq"]
@@ -234,7 +237,10 @@ async def receive_update(
         if not data:
             break
         h.update(data)
-        restorer.feed(snapshot.decode(data))
+        try:
+            restorer.feed(snapshot.decode(data))
+        except (InvariantError, ValueError, IndexError, KeyError, TypeError) as e:
+            raise ClusterError(f"state transfer part {progress.parts + 1} is corrupt: {e}") from e
         progress.parts += 1
         progress.bytes += len(data)
         progress.messages = restorer.messages
@@ -256,4 +262,7 @@ async def receive_update(
         expected = await r.exactly(32)
     if h.digest() != expected:
         raise ClusterError("state transfer digest mismatch: the update is corrupt")
-    return restorer.finish(), members
+    try:
+        return restorer.finish(), members
+    except (InvariantError, IndexError, KeyError) as e:
+        raise ClusterError(f"state transfer is inconsistent: {e}") from e
