@@ -86,7 +86,10 @@ class AMQPError(CpgBrokerError):
     @property
     def reply_text(self) -> str:
         # RabbitMQ's style ("NOT_FOUND - no queue 'x' in vhost '/'"), which client suites match on.
-        return f"{self.code.name} - {self.text}"[:255]
+        # A shortstr holds 255 *bytes*: cut by bytes (never mid-character), or encoding the
+        # close would fail for a client-chosen non-ASCII name.
+        text = f"{self.code.name} - {self.text}"
+        return text.encode()[:255].decode(errors="ignore")
 
 
 class ChannelError(AMQPError):

@@ -1134,6 +1134,7 @@ class Broker:
         for c in list(q.consumers):
             ch = c.channel
             ch.consumers.pop(c.tag, None)
+            self._detach_unacked(c)
             conn = ch.conn
             if conn.capabilities.get("consumer_cancel_notify") and not ch.closing:
                 self._send_method(conn, ch.id, commands.Basic.Cancel(consumer_tag=c.tag))
@@ -1184,17 +1185,20 @@ class Broker:
         if c is not None:
             self._remove_consumer(c)
 
-    def _remove_consumer(self, c: Consumer) -> None:
-        q = c.queue
+    def _detach_unacked(self, c: Consumer) -> None:
+        """A consumer goes away (cancel, channel close, queue delete): its unacked deliveries
+        stay on the channel but no longer count against it, so a later consumer reusing the
+        tag is not charged (and snapshots, which name consumers by tag, stay exact)."""
         if c.unacked:
-            # Its unacked deliveries stay on the channel but no longer count against it: detach
-            # them so a later consumer reusing the tag is not charged (and snapshots, which name
-            # consumers by tag, stay exact).
             ch = c.channel
             for tag, (dq, e, dc) in ch.unacked.items():
                 if dc is c:
                     ch.unacked[tag] = (dq, e, None)
             c.unacked = 0
+
+    def _remove_consumer(self, c: Consumer) -> None:
+        q = c.queue
+        self._detach_unacked(c)
         if c in q.consumers:
             idx = q.consumers.index(c)
             q.consumers.remove(c)
@@ -1398,7 +1402,9 @@ class Broker:
         self._emit(ch.conn, fp.encode_ack(ch.id, target, multiple))
         ch.confirm_sent = target
 
-    def _route(self, vh: VHost, ex: Exchange, rk: str, msg: Message) -> list[Queue]:
+    def _route(
+        self, vh: VHost, ex: Exchange, rk: str, msg: Message, seen: list[Exchange] | None = None
+    ) -> list[Queue]:
         if ex.name == "":
             q = vh.queues.get(rk)
             return [q] if q is not None else []
@@ -1418,17 +1424,12 @@ class Broker:
             ae_name = ex.alternate
             if ae_name is not None:
                 ae = vh.exchanges.get(ae_name)
-                if ae is not None and ae is not ex:
-                    return self._route_alternate(vh, ae, rk, msg, [ex])
-        return found
-
-    def _route_alternate(
-        self, vh: VHost, ex: Exchange, rk: str, msg: Message, seen: list[Exchange]
-    ) -> list[Queue]:
-        if ex in seen:
-            return []
-        seen.append(ex)
-        found = self._route(vh, ex, rk, msg)
+                # Alternate exchanges may form a cycle (a -> b -> a): every exchange of the
+                # chain is tried once, as RabbitMQ does.
+                seen = [ex] if seen is None else seen
+                if ae is not None and ae not in seen:
+                    seen.append(ae)
+                    return self._route(vh, ae, rk, msg, seen)
         return found
 
     def _enqueue(self, q: Queue, e: Entry) -> bool:

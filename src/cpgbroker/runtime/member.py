@@ -121,6 +121,10 @@ class ClusterNode(Node):
         self.failure: str | None = None
         self._out: list[bytes] = []
         self._out_bytes = 0
+        # Cluster control messages (progress, checkpoints, hellos, update requests): never held
+        # back by cluster flow control, which itself waits for other members' progress reports
+        # — held back behind client traffic, those reports would never come (a deadlock).
+        self._ctl: list[bytes] = []
         self._send_wake = trio.Event()
         self._event_log: IO[str] | None = None
         if config.cluster.event_log:
@@ -163,6 +167,22 @@ class ClusterNode(Node):
             data = codec.encode(ev)
         self._queue(data)
 
+    def _queue_control(self, data: bytes) -> None:
+        self._ctl.append(data)
+        self._send_wake.set()
+
+    async def _flush_control(self) -> None:
+        while self._ctl:
+            take, size = 0, 2
+            for data in self._ctl:
+                if take and size + len(data) > MAX_BATCH_BYTES:
+                    break
+                size += len(data)
+                take += 1
+            batch = self._ctl[:take]
+            del self._ctl[:take]
+            await self.cpg.send(codec.HEADER + b"".join(batch))
+
     def _queue(self, data: bytes) -> None:
         self._out.append(data)
         self._out_bytes += len(data)
@@ -170,9 +190,12 @@ class ClusterNode(Node):
 
     async def sender(self) -> None:
         while True:
+            if self._ctl:
+                await self._flush_control()
             if not self._out:
-                self._send_wake = trio.Event()
-                await self._send_wake.wait()
+                if not self._ctl:
+                    self._send_wake = trio.Event()
+                    await self._send_wake.wait()
                 continue
             # Take queued events up to the batch size, in order.
             out = self._out
@@ -208,8 +231,9 @@ class ClusterNode(Node):
         self.lag_waits += 1
         log.warning("holding back client traffic: a member is %d events behind", self.lag())
         while self.lag() > self.max_lag:
+            await self._flush_control()  # our own reports must get out, or nobody moves
             self._progress_changed = trio.Event()
-            with trio.move_on_after(1):
+            with trio.move_on_after(0.05):
                 await self._progress_changed.wait()
 
     # ------------------------------------------------------------------ delivery
@@ -306,10 +330,10 @@ class ClusterNode(Node):
             )
         seq = self.broker.event_seq
         if seq % self.progress_every == 0:
-            self._queue(codec.encode(Progress(self.member, seq)))
+            self._queue_control(codec.encode(Progress(self.member, seq)))
         if seq % self.checkpoint_every == 0:
             digest = snapshot.digest_bytes(self.broker)
-            self._queue(codec.encode(Checkpoint(self.member, seq, digest)))
+            self._queue_control(codec.encode(Checkpoint(self.member, seq, digest)))
             if self._event_log is not None:
                 self._write_log({"type": "checkpoint", "seq": seq, "digest": digest.hex()})
 
@@ -369,7 +393,7 @@ class ClusterNode(Node):
         for a in actions:
             t = type(a)
             if t is SendHello:
-                self._queue(
+                self._queue_control(
                     codec.encode(
                         Hello(
                             self.member,
@@ -425,7 +449,7 @@ class ClusterNode(Node):
             candidates[-1],
             self.update_attempts,
         )
-        self._queue(codec.encode(self._attempt))
+        self._queue_control(codec.encode(self._attempt))
 
     def _retry_update(self, reason: str, exclude: int | None) -> None:
         log.warning("state update failed: %s; asking another member", reason)
