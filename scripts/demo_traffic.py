@@ -6,6 +6,9 @@ different members; after a while one member is killed and the clients fail over.
 Prints a line per second (published, confirmed, consumed per consumer, which member each client
 uses) and a verdict at the end: every confirmed message was consumed (none lost), and how many
 were delivered again after the failure (at-least-once: allowed, flagged redelivered).
+
+With ``--history DIR`` every client also records what it did and saw into
+``DIR/<client>.history.jsonl`` (``cpgbroker.history``), for ``cpgbroker audit``.
 """
 
 from __future__ import annotations
@@ -13,13 +16,20 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pika
 import pika.exceptions
 
+from cpgbroker.history import HistoryRecorder, decode_body, encode_body, producer_name
+
 QUEUE = "demo"
+# The run id in the message bodies (amqp_load's layout); one producer, id 1.
+RUN_ID = 1
+PRODUCER = producer_name(RUN_ID, 1)
 
 
 class Stats:
@@ -33,7 +43,9 @@ class Stats:
         self.stop = threading.Event()
 
 
-def connect(urls: list[str], who: str, stats: Stats) -> tuple[pika.BlockingConnection, str]:
+def connect(
+    urls: list[str], who: str, stats: Stats, rec: HistoryRecorder
+) -> tuple[pika.BlockingConnection, str]:
     while not stats.stop.is_set():
         for url in urls:
             p = pika.URLParameters(url)
@@ -45,6 +57,7 @@ def connect(urls: list[str], who: str, stats: Stats) -> tuple[pika.BlockingConne
             except pika.exceptions.AMQPConnectionError:
                 continue
             member = url.split("@")[-1].rstrip("/")
+            rec.connected(url)
             with stats.lock:
                 old = stats.where.get(who)
                 stats.where[who] = member
@@ -55,29 +68,41 @@ def connect(urls: list[str], who: str, stats: Stats) -> tuple[pika.BlockingConne
     raise SystemExit(0)
 
 
-def producer(urls: list[str], stats: Stats, rate: float) -> None:
+def producer(urls: list[str], stats: Stats, rate: float, rec: HistoryRecorder) -> None:
     n = 0
     while not stats.stop.is_set():
         try:
-            conn, _ = connect(urls, "producer", stats)
+            conn, _ = connect(urls, "producer", stats, rec)
             ch = conn.channel()
             ch.confirm_delivery()
             ch.queue_declare(QUEUE, durable=True)
             while not stats.stop.is_set():
-                ch.basic_publish("", QUEUE, str(n).encode())  # returns once confirmed
+                # Every attempt is a new message: one the connection lost before its confirm is
+                # published again as the next n on the next member.
+                n += 1
+                rec.published(PRODUCER, n, QUEUE)
+                try:
+                    ch.basic_publish("", QUEUE, encode_body(RUN_ID, 1, n))  # returns on confirm
+                except pika.exceptions.NackError:
+                    rec.confirmed(PRODUCER, n, "nack")
+                    continue
+                except (pika.exceptions.AMQPError, OSError):
+                    rec.confirmed(PRODUCER, n, "unknown")
+                    raise
+                rec.confirmed(PRODUCER, n, "ack")
                 with stats.lock:
                     stats.confirmed.add(n)
-                n += 1
                 time.sleep(1 / rate)
             conn.close()
-        except (pika.exceptions.AMQPError, OSError):
-            continue  # unconfirmed message n is published again on the next member
+            rec.disconnected("closed")
+        except (pika.exceptions.AMQPError, OSError) as e:
+            rec.disconnected(f"lost: {type(e).__name__}")
 
 
-def consumer(name: str, urls: list[str], stats: Stats) -> None:
+def consumer(name: str, urls: list[str], stats: Stats, rec: HistoryRecorder) -> None:
     while not stats.stop.is_set():
         try:
-            conn, _ = connect(urls, name, stats)
+            conn, _ = connect(urls, name, stats, rec)
             ch = conn.channel()
             ch.queue_declare(QUEUE, durable=True)
             ch.basic_qos(prefetch_count=20)
@@ -86,14 +111,17 @@ def consumer(name: str, urls: list[str], stats: Stats) -> None:
                     break
                 if method is None:
                     continue
+                mid, _sent = decode_body(body)
+                rec.delivered(name, QUEUE, mid.producer, mid.seq, method.redelivered)
                 with stats.lock:
-                    k = int(body)
-                    stats.consumed[k] = stats.consumed.get(k, 0) + 1
+                    stats.consumed[mid.seq] = stats.consumed.get(mid.seq, 0) + 1
                     stats.redelivered += method.redelivered
                 ch.basic_ack(method.delivery_tag)
+                rec.acked(name, QUEUE, mid.producer, mid.seq)
             conn.close()
-        except (pika.exceptions.AMQPError, OSError):
-            continue
+            rec.disconnected("closed")
+        except (pika.exceptions.AMQPError, OSError) as e:
+            rec.disconnected(f"lost: {type(e).__name__}")
 
 
 def main() -> int:
@@ -103,15 +131,30 @@ def main() -> int:
     ap.add_argument("--kill-after", type=float, default=5.0)
     ap.add_argument("--seconds", type=float, default=12.0)
     ap.add_argument("--rate", type=float, default=200.0)
+    ap.add_argument("--history", type=Path, help="record each client's history in this directory")
     args = ap.parse_args()
     urls = args.url
     stats = Stats()
+    # Without --history the histories go to a directory that is removed at the end.
+    scratch = tempfile.TemporaryDirectory(prefix="demo-history-")
+    history: Path = args.history or Path(scratch.name)
+    history.mkdir(parents=True, exist_ok=True)
+    recs = {
+        c: HistoryRecorder(history / f"{c}.history.jsonl", c)
+        for c in ("producer", "consumer-a", "consumer-b")
+    }
     rot = lambda k: urls[k:] + urls[:k]  # noqa: E731 - each client prefers another member
     threads = [
-        threading.Thread(target=producer, args=(rot(0), stats, args.rate), daemon=True),
-        threading.Thread(target=consumer, args=("consumer-a", rot(1), stats), daemon=True),
         threading.Thread(
-            target=consumer, args=("consumer-b", rot(2 % len(urls)), stats), daemon=True
+            target=producer, args=(rot(0), stats, args.rate, recs["producer"]), daemon=True
+        ),
+        threading.Thread(
+            target=consumer, args=("consumer-a", rot(1), stats, recs["consumer-a"]), daemon=True
+        ),
+        threading.Thread(
+            target=consumer,
+            args=("consumer-b", rot(2 % len(urls)), stats, recs["consumer-b"]),
+            daemon=True,
         ),
     ]
     for t in threads:
@@ -142,7 +185,11 @@ def main() -> int:
                 break
         time.sleep(0.2)
     stats.stop.set()
-    time.sleep(1)
+    for t in threads:
+        t.join(5)
+    for r in recs.values():
+        r.close()
+    scratch.cleanup()
     with stats.lock:
         lost = sorted(stats.confirmed - stats.consumed.keys())
         dup = sum(1 for c in stats.consumed.values() if c > 1)

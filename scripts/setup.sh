@@ -7,8 +7,9 @@ cd "$(dirname "$0")/.."
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
+# default-jre-headless: Java 17, for the PySpark audit job (`cpgbroker audit`) and its tests.
 APT_PACKAGES=(corosync libcpg-dev libcorosync-common-dev libquorum-dev libvotequorum-dev
-  libcmap-dev libqb-dev gcc python3-dev python3-venv iproute2 procps)
+  libcmap-dev libqb-dev gcc python3-dev python3-venv iproute2 procps default-jre-headless)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -16,6 +17,8 @@ done
 if [ "${#missing[@]}" -gt 0 ]; then
   echo "setup: installing ${missing[*]}"
   $SUDO apt-get -o DPkg::Lock::Timeout=600 update -qq
+  # The JRE's post-install step fails where minimal images leave this directory out.
+  $SUDO mkdir -p /usr/share/man/man1
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
     --no-install-recommends "${missing[@]}"
 fi

@@ -12,12 +12,18 @@ def main(argv: list[str] | None = None) -> int:
         from cpgbroker import devcluster
 
         return devcluster.main(args[1:])
+    if args and args[0] == "audit":
+        # Its own parser; pyspark is imported only when an audit runs (the audit extra).
+        from cpgbroker.audit.cli import main as audit_main
+
+        return audit_main(args[1:])
     parser = argparse.ArgumentParser(prog="cpgbroker")
     sub = parser.add_subparsers(dest="command", required=True)
     start = sub.add_parser("start", help="run a broker (standalone, or a cluster member)")
     start.add_argument("--config", help="TOML configuration file")
     start.add_argument("--listen", help="HOST:PORT to serve AMQP on (overrides the config)")
     sub.add_parser("devcluster", help="local corosync cluster in network namespaces")
+    sub.add_parser("audit", help="audit a cluster run's logs and client histories (PySpark)")
     status = sub.add_parser("status", help="show a running broker's status")
     status.add_argument(
         "--url",

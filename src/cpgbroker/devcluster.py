@@ -467,12 +467,12 @@ class DevCluster:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)  # a SIGSTOPped process cannot act on SIGTERM
                 os.kill(pid, signal.SIGTERM)
-        self._wait_dead(victims, timeout=3.0)
+        self.wait_dead(victims, timeout=3.0)
         for pid in victims:
             if self._alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-        self._wait_dead(victims, timeout=5.0)
+        self.wait_dead(victims, timeout=5.0)
         ip = find_tool("ip") or "ip"
         for ns in namespaces:
             _run([ip, "netns", "del", ns], check=False)
@@ -566,13 +566,22 @@ class DevCluster:
             return child.poll() is None
         return _pid_alive(pid)
 
-    def _wait_dead(self, pids: Iterable[int], timeout: float) -> bool:
+    def wait_dead(self, pids: Iterable[int], timeout: float) -> bool:
+        """Whether every process of ``pids`` ended within ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         pending = [p for p in pids if self._alive(p)]
         while pending and time.monotonic() < deadline:
             time.sleep(0.02)
             pending = [p for p in pending if self._alive(p)]
         return not pending
+
+    def record_fault(self, action: str, nodeid: int, **extra: Any) -> None:
+        """Append one line to ``faults.jsonl``: the fault-injection log ``cpgbroker audit``
+        reads (when each node was killed, stopped, partitioned, restarted)."""
+        rec = {"t_ns": time.time_ns(), "action": action, "node": nodeid, **extra}
+        self.base.mkdir(parents=True, exist_ok=True)
+        with open(self.base / "faults.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
 
     def _corosync_pid(self, nodeid: int) -> int:
         node = self.node(nodeid)
@@ -584,8 +593,9 @@ class DevCluster:
         """SIGKILL a node's corosync (a crash: the others see NODEDOWN after the token)."""
         pid = self._corosync_pid(nodeid)
         node = self.node(nodeid)
+        self.record_fault("kill", nodeid)
         os.kill(pid, signal.SIGKILL)
-        if not self._wait_dead([pid], timeout=5.0):
+        if not self.wait_dead([pid], timeout=5.0):
             raise DevClusterError(f"corosync {pid} on node {nodeid} survived SIGKILL")
         node.pid = None
         node.stopped = False
@@ -595,6 +605,7 @@ class DevCluster:
     def stop(self, nodeid: int) -> None:
         """SIGSTOP a node's corosync (a hang: longer than the token looks like a partition)."""
         pid = self._corosync_pid(nodeid)
+        self.record_fault("stop", nodeid)
         os.kill(pid, signal.SIGSTOP)
         self.node(nodeid).stopped = True
         self._save()
@@ -602,6 +613,7 @@ class DevCluster:
     def resume(self, nodeid: int) -> None:
         """SIGCONT a stopped corosync."""
         pid = self._corosync_pid(nodeid)
+        self.record_fault("resume", nodeid)
         os.kill(pid, signal.SIGCONT)
         self.node(nodeid).stopped = False
         self._save()
@@ -611,19 +623,21 @@ class DevCluster:
         node = self.node(nodeid)
         if node.pid is not None and self._alive(node.pid):
             raise DevClusterError(f"corosync on node {nodeid} is already running")
+        self.record_fault("start", nodeid)
         self._start_corosync(node)
         self._save()
 
     def restart(self, nodeid: int, *, wait: bool = True, timeout: float = 30.0) -> None:
         """Stop (gracefully if possible) and start a node's corosync; wait until it rejoined."""
         node = self.node(nodeid)
+        self.record_fault("restart", nodeid)
         if node.pid is not None and self._alive(node.pid):
             pid = node.pid
             os.kill(pid, signal.SIGCONT)
             os.kill(pid, signal.SIGTERM)
-            if not self._wait_dead([pid], timeout=5.0):
+            if not self.wait_dead([pid], timeout=5.0):
                 os.kill(pid, signal.SIGKILL)
-                self._wait_dead([pid], timeout=5.0)
+                self.wait_dead([pid], timeout=5.0)
             remove_shm_leftovers([pid])
             node.pid = None
         self.start(nodeid)
@@ -633,6 +647,7 @@ class DevCluster:
     def partition(self, nodeid: int) -> None:
         """Cut a node's link: its port leaves the bridge, corosync itself keeps running."""
         ip = find_tool("ip") or "ip"
+        self.record_fault("partition", nodeid)
         _run([ip, "-n", self.hub_netns, "link", "set", f"p{nodeid}", "nomaster"])
         self.node(nodeid).partitioned = True
         self._save()
@@ -640,6 +655,7 @@ class DevCluster:
     def heal(self, nodeid: int) -> None:
         """Reconnect a partitioned node's link."""
         ip = find_tool("ip") or "ip"
+        self.record_fault("heal", nodeid)
         _run([ip, "-n", self.hub_netns, "link", "set", f"p{nodeid}", "master", _BRIDGE])
         self.node(nodeid).partitioned = False
         self._save()
@@ -718,9 +734,9 @@ class DevCluster:
         pid = node.processes.pop(name, None)
         if pid is not None and self._alive(pid):
             os.kill(pid, signal.SIGTERM)
-            if not self._wait_dead([pid], timeout):
+            if not self.wait_dead([pid], timeout):
                 os.kill(pid, signal.SIGKILL)
-                self._wait_dead([pid], 5.0)
+                self.wait_dead([pid], 5.0)
         self._save()
 
     # ------------------------------------------------------------------ status
@@ -948,6 +964,7 @@ def _parser() -> argparse.ArgumentParser:
             "start-broker",
             "start a node's broker again: it joins the serving cluster through a state update",
         ),
+        ("stop-broker", "stop a node's broker gracefully (its clients get 320)"),
         ("stop", "SIGSTOP a node's corosync"),
         ("resume", "SIGCONT a node's corosync"),
         ("restart", "restart a node's corosync and wait until it rejoined"),
@@ -1081,13 +1098,21 @@ def _main(args: argparse.Namespace) -> int:
     if args.command == "kill-broker":
         if dev_brokers is None:
             raise DevClusterError("this dev cluster runs no brokers (up --with-brokers)")
+        cluster.record_fault("kill-broker", args.node, url=dev_brokers.url(args.node))
         dev_brokers.kill(args.node)
+        return 0
+    if args.command == "stop-broker":
+        if dev_brokers is None:
+            raise DevClusterError("this dev cluster runs no brokers (up --with-brokers)")
+        # An orderly shutdown, not a fault: nothing goes to the fault log.
+        dev_brokers.stop(args.node)
         return 0
     if args.command == "start-broker":
         if dev_brokers is None:
             raise DevClusterError("this dev cluster runs no brokers (up --with-brokers)")
         if dev_brokers.status(args.node) is not None:
             raise DevClusterError(f"the broker on node {args.node} is already running")
+        cluster.record_fault("start-broker", args.node, url=dev_brokers.url(args.node))
         dev_brokers.start(args.node)
         dev_brokers.save()
         dev_brokers.wait_ready([args.node], timeout=600)

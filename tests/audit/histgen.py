@@ -1,0 +1,415 @@
+"""Small synthetic cluster runs for the audit's tests: what three members' event logs, four
+clients' histories and a fault log look like for a run that kept every promise, and functions
+that break exactly one promise each.
+
+The run: producers on nodes 1 and 2 publish with confirms to queue ``q``, two consumers (on
+nodes 2 and 3) share it and ack each message. With ``failover=True`` node 3 is killed part-way:
+its consumer held three unacked messages, loses its connection, reconnects to node 1 and gets
+them again flagged redelivered; node 3's event log ends with a partial line. Every member logs
+every event (with a little lag per member), digest checkpoints and verdicts.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+MS = 1_000_000
+T0 = 1_750_000_000_000_000_000
+NODES = (1, 2, 3)
+MEMBER = {n: (n << 22) | (100 * n + 1) for n in NODES}
+URL = {n: f"amqp://guest:guest@127.0.0.1:{5700 + n}/" for n in NODES}
+QUEUE = "q"
+PRODUCERS = {"producer-0": ("p0", 1), "producer-1": ("p1", 2)}
+CONSUMERS = {"consumer-0": 2, "consumer-1": 3}
+RESCUE_NODE = 1
+UNACKED_AT_KILL = 3
+RECONNECT_AFTER = 20 * MS
+
+
+@attrs.define
+class Run:
+    events: dict[int, list[dict[str, Any]]]  # node -> its member's event log records
+    history: dict[str, list[dict[str, Any]]]  # client -> its records
+    faults: list[dict[str, Any]]
+    partial_tail: dict[int, str] = attrs.Factory(dict)  # node -> text after the last newline
+    raw_lines: dict[int, dict[int, str]] = attrs.Factory(dict)  # node -> {index: line}
+
+    def copy(self) -> Run:
+        return copy.deepcopy(self)
+
+    def write(self, root: Path) -> Path:
+        for node, recs in self.events.items():
+            d = root / f"n{node}"
+            d.mkdir(parents=True, exist_ok=True)
+            lines = [json.dumps(r, separators=(",", ":")) for r in recs]
+            for i, text in sorted(self.raw_lines.get(node, {}).items(), reverse=True):
+                lines.insert(i, text)
+            body = "".join(line + "\n" for line in lines) + self.partial_tail.get(node, "")
+            (d / "broker.events.jsonl").write_text(body)
+        h = root / "clients"
+        h.mkdir(parents=True, exist_ok=True)
+        for client, recs in self.history.items():
+            (h / f"{client}.history.jsonl").write_text(
+                "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in recs)
+            )
+        (root / "faults.jsonl").write_text("".join(json.dumps(f) + "\n" for f in self.faults))
+        return root
+
+    # -- lookups for the tests
+    def deliveries(self, client: str) -> list[dict[str, Any]]:
+        return [r for r in self.history[client] if r["op"] == "deliver"]
+
+
+class _Client:
+    def __init__(self, name: str, out: dict[str, list[dict[str, Any]]]) -> None:
+        self.name = name
+        self.recs: list[tuple[int, dict[str, Any]]] = []
+        out[name] = []
+        self.out = out
+        self.session = 0
+        self.member: str | None = None
+
+    def rec(self, t: int, op: str, **fields: Any) -> None:
+        self.recs.append((t, {"op": op, "t_ns": t, **fields}))
+
+    def finish(self) -> None:
+        # Numbered and sessioned in the client's time order, as a HistoryRecorder would.
+        session = 0
+        for n, (_t, r) in enumerate(sorted(self.recs, key=lambda x: x[0])):
+            if r["op"] == "connect":
+                session += 1
+            self.out[self.name].append(
+                {"op": r.pop("op"), "client": self.name, "n": n, "session": session, **r}
+            )
+
+
+def clean_run(messages: int = 120, *, failover: bool = False, checkpoint_every: int = 25) -> Run:
+    history: dict[str, list[dict[str, Any]]] = {}
+    clients = {name: _Client(name, history) for name in (*PRODUCERS, *CONSUMERS)}
+    # (time, sender member, type, conn, size): the one stream every member applies.
+    stream: list[tuple[int, int, str, int | None, int]] = []
+    conn_ids: dict[tuple[str, int], int] = {}
+
+    def connect(client: str, node: int, t: int) -> None:
+        c = clients[client]
+        c.session += 1
+        conn_ids[(client, c.session)] = 1000 * node + len(conn_ids)
+        c.rec(t, "connect", member=URL[node])
+        c.member = URL[node]
+        stream.append((t + MS // 10, MEMBER[node], "connect", conn_ids[(client, c.session)], 0))
+
+    node_of = {**{p: n for p, (_, n) in PRODUCERS.items()}, **CONSUMERS}
+
+    def client_event(client: str, t: int, size: int) -> None:
+        c = clients[client]
+        node = node_of[client]
+        stream.append((t + MS // 10, MEMBER[node], "data", conn_ids[(client, c.session)], size))
+
+    for name, node in node_of.items():
+        connect(name, node, T0 + MS)
+    kill_at = T0 + (10 + messages // 2) * MS if failover else None
+    back_at = kill_at + RECONNECT_AFTER if kill_at is not None else None
+    held: list[tuple[str, int]] = []
+    end = T0 + (messages + 20) * MS
+    for i in range(messages):
+        producer = list(PRODUCERS)[i % 2]
+        pname = PRODUCERS[producer][0]
+        seq = i // 2
+        tp = T0 + (10 + i) * MS
+        if kill_at is not None and back_at is not None and tp == kill_at:
+            _kill(clients, stream, node_of, connect, client_event, held, kill_at, back_at)
+        clients[producer].rec(
+            tp,
+            "publish",
+            producer=pname,
+            seq=seq,
+            queue=QUEUE,
+            confirms=True,
+            member=clients[producer].member,
+        )
+        client_event(producer, tp, 120)
+        clients[producer].rec(tp + 4 * MS // 10, "confirm", producer=pname, seq=seq, outcome="ack")
+        consumer = list(CONSUMERS)[(i // 2) % 2]
+        td = tp + MS
+        if kill_at is not None and back_at is not None and consumer == "consumer-1":
+            if kill_at - 6 * MS <= td < kill_at and len(held) < UNACKED_AT_KILL:
+                # Delivered just before the kill, never acked: node 3 dies holding it.
+                clients[consumer].rec(
+                    td,
+                    "deliver",
+                    consumer="ctag",
+                    queue=QUEUE,
+                    producer=pname,
+                    seq=seq,
+                    redelivered=False,
+                    member=URL[3],
+                )
+                held.append((pname, seq))
+                continue
+            if kill_at - 6 * MS <= td <= back_at + 10 * MS:
+                consumer = "consumer-0"  # the only consumer while consumer-1 is away
+        c = clients[consumer]
+        c.rec(
+            td,
+            "deliver",
+            consumer="ctag",
+            queue=QUEUE,
+            producer=pname,
+            seq=seq,
+            redelivered=False,
+            member=c.member,
+        )
+        c.rec(td + MS // 2, "ack", consumer="ctag", queue=QUEUE, producer=pname, seq=seq)
+        client_event(consumer, td + MS // 2, 21)
+    for name, c in clients.items():
+        c.rec(end, "disconnect", member=c.member, reason="closed")
+        stream.append(
+            (end + MS // 10, MEMBER[node_of[name]], "disconnect", conn_ids[(name, c.session)], 0)
+        )
+    t = T0
+    while t < end:
+        stream.append((t, MEMBER[1], "tick", None, 0))
+        t += 10 * MS
+    for c in clients.values():
+        c.finish()
+    stream.sort(key=lambda e: e[0])
+
+    events: dict[int, list[dict[str, Any]]] = {n: [] for n in NODES}
+    for n in NODES:
+        events[n].append(
+            {
+                "seq": 0,
+                "t_ns": T0,
+                "member": MEMBER[n],
+                "sender": MEMBER[n],
+                "type": "hello",
+                "status": "ready",
+            }
+        )
+    for seq, (t, sender, typ, conn, size) in enumerate(stream, start=1):
+        for n in NODES:
+            if kill_at is not None and n == 3 and t >= kill_at:
+                continue
+            rec: dict[str, Any] = {
+                "seq": seq,
+                "t_ns": t + n * 50_000,
+                "member": MEMBER[n],
+                "sender": sender,
+                "type": typ,
+            }
+            if conn is not None:
+                rec["conn"] = conn
+            if size:
+                rec["size"] = size
+            events[n].append(rec)
+            if seq % checkpoint_every == 0:
+                events[n].append(
+                    {
+                        "type": "checkpoint",
+                        "seq": seq,
+                        "digest": hashlib.sha256(b"%d" % seq).hexdigest(),
+                        "member": MEMBER[n],
+                        "t_ns": t + n * 50_000 + 1,
+                    }
+                )
+        if seq % checkpoint_every == 0:
+            voters = [n for n in NODES if not (kill_at is not None and n == 3 and t >= kill_at)]
+            digest = hashlib.sha256(b"%d" % seq).hexdigest()
+            for n in voters:
+                events[n].append(
+                    {
+                        "type": "verdict",
+                        "seq": seq,
+                        "agreed": True,
+                        "losers": [],
+                        "digests": {str(MEMBER[m]): digest for m in voters},
+                        "member": MEMBER[n],
+                        "t_ns": t + 2 * MS,
+                    }
+                )
+    run = Run(events=events, history=history, faults=[])
+    if kill_at is not None:
+        run.faults.append({"t_ns": kill_at, "action": "kill", "node": 3})
+        last = events[3][-1]
+        run.partial_tail[3] = json.dumps({**last, "seq": last["seq"] + 1})[:25]
+    return run
+
+
+def _kill(
+    clients: dict[str, _Client],
+    stream: list[tuple[int, int, str, int | None, int]],
+    node_of: dict[str, int],
+    connect: Any,
+    client_event: Any,
+    held: list[tuple[str, int]],
+    kill_at: int,
+    back_at: int,
+) -> None:
+    """Node 3 dies: its consumer loses the connection, the survivors apply member-left, the
+    consumer reconnects to node 1 and gets the messages it held again, flagged redelivered."""
+    c1 = clients["consumer-1"]
+    c1.rec(kill_at + 5 * MS, "disconnect", member=c1.member, reason="connection lost")
+    stream.append((kill_at + 2 * MS, 0, "member-left", None, 0))
+    stream.append((kill_at + 2 * MS + 1, 0, "members", None, 0))
+    node_of["consumer-1"] = RESCUE_NODE
+    connect("consumer-1", RESCUE_NODE, back_at)
+    for k, (hp, hs) in enumerate(held):
+        t = back_at + (k + 1) * MS // 5
+        c1.rec(
+            t,
+            "deliver",
+            consumer="ctag",
+            queue=QUEUE,
+            producer=hp,
+            seq=hs,
+            redelivered=True,
+            member=c1.member,
+        )
+        c1.rec(t + MS // 10, "ack", consumer="ctag", queue=QUEUE, producer=hp, seq=hs)
+        client_event("consumer-1", t + MS // 10, 21)
+
+
+# ---------------------------------------------------------------- injected violations
+
+
+def confirmed_delivered(run: Run, client: str, index: int = 5) -> dict[str, Any]:
+    """The ``index``-th first delivery to ``client`` (not redelivered)."""
+    return [r for r in run.deliveries(client) if not r["redelivered"]][index]
+
+
+def _renumber(recs: list[dict[str, Any]]) -> None:
+    for n, r in enumerate(recs):
+        r["n"] = n
+
+
+def lose(run: Run, client: str = "consumer-0", index: int = 5) -> tuple[str, int]:
+    """A confirmed message is never delivered: its delivery and ack disappear."""
+    d = confirmed_delivered(run, client, index)
+    key = (d["producer"], d["seq"])
+    recs = run.history[client]
+    recs[:] = [
+        r for r in recs if not (r["op"] in ("deliver", "ack") and (r["producer"], r["seq"]) == key)
+    ]
+    _renumber(recs)
+    return key
+
+
+def duplicate(run: Run, client: str = "consumer-0", to: str = "consumer-1") -> tuple[str, int]:
+    """A message acked by ``client`` is delivered again to ``to`` later, with no fault."""
+    d = confirmed_delivered(run, client, 4)
+    recs = run.history[to]
+    last = recs[-1]  # the final disconnect: insert before it
+    t = last["t_ns"] - MS
+    recs.insert(
+        len(recs) - 1,
+        {
+            "op": "deliver",
+            "client": to,
+            "n": 0,
+            "session": last["session"],
+            "t_ns": t,
+            "consumer": "ctag",
+            "queue": QUEUE,
+            "producer": d["producer"],
+            "seq": d["seq"],
+            "redelivered": True,
+            "member": URL[CONSUMERS[to]],
+        },
+    )
+    _renumber(recs)
+    return d["producer"], d["seq"]
+
+
+def unexpected(run: Run, client: str = "consumer-0") -> tuple[str, int]:
+    """A delivery of a message nobody published."""
+    recs = run.history[client]
+    last = recs[-1]
+    key = ("p0", 99_999)
+    recs.insert(
+        len(recs) - 1,
+        {
+            "op": "deliver",
+            "client": client,
+            "n": 0,
+            "session": last["session"],
+            "t_ns": last["t_ns"] - MS,
+            "consumer": "ctag",
+            "queue": QUEUE,
+            "producer": key[0],
+            "seq": key[1],
+            "redelivered": False,
+            "member": URL[CONSUMERS[client]],
+        },
+    )
+    _renumber(recs)
+    return key
+
+
+def reorder_deliveries(run: Run, client: str = "consumer-0") -> tuple[str, int]:
+    """Two successive deliveries of one producer's messages to one consumer arrive swapped:
+    the one with the lower seq, which now comes second, is the violation."""
+    recs = run.history[client]
+    firsts = [r for r in recs if r["op"] == "deliver" and not r["redelivered"]][6:]
+    a = firsts[0]
+    b = next(r for r in firsts[1:] if r["producer"] == a["producer"])
+    acks = {r["seq"]: r for r in recs if r["op"] == "ack" and r["producer"] == a["producer"]}
+    ack_a, ack_b = acks[a["seq"]], acks[b["seq"]]
+    a["seq"], b["seq"] = b["seq"], a["seq"]
+    ack_a["seq"], ack_b["seq"] = ack_b["seq"], ack_a["seq"]
+    return b["producer"], b["seq"]
+
+
+def diverge_digest(run: Run, node: int = 2, nth: int = 2) -> int:
+    """Member ``node`` logs another digest at its ``nth`` checkpoint."""
+    cps = [r for r in run.events[node] if r["type"] == "checkpoint"]
+    cp = cps[nth]
+    cp["digest"] = hashlib.sha256(b"diverged").hexdigest()
+    return int(cp["seq"])
+
+
+def reorder_stream(run: Run, node: int = 3, at: int = 30) -> tuple[int, int]:
+    """Member ``node`` applied two adjacent events in the other order."""
+    recs = {
+        r["seq"]: r for r in run.events[node] if r["type"] not in ("hello", "checkpoint", "verdict")
+    }
+    a = at
+    while True:
+        x, y = recs[a], recs[a + 1]
+        if (x["sender"], x["type"], x.get("conn"), x.get("size")) != (
+            y["sender"],
+            y["type"],
+            y.get("conn"),
+            y.get("size"),
+        ):
+            break
+        a += 1
+    for f in ("sender", "type", "conn", "size"):
+        vx, vy = x.pop(f, None), y.pop(f, None)
+        if vy is not None:
+            x[f] = vy
+        if vx is not None:
+            y[f] = vx
+    return a, a + 1
+
+
+def drop_redelivered_flag(run: Run) -> tuple[str, int]:
+    """In the failover run: one of the messages delivered again after the failover comes
+    without the redelivered flag."""
+    for r in run.history["consumer-1"]:
+        if r["op"] == "deliver" and r["redelivered"]:
+            r["redelivered"] = False
+            return r["producer"], r["seq"]
+    raise AssertionError("no redelivery in this run (failover=True?)")
+
+
+def spurious_redelivered_flag(run: Run, client: str = "consumer-0") -> tuple[str, int]:
+    """A first delivery flagged redelivered although nothing could have requeued it."""
+    d = confirmed_delivered(run, client, 3)
+    d["redelivered"] = True
+    return d["producer"], d["seq"]

@@ -1,0 +1,269 @@
+"""End to end: a real 3-member cluster under confirmed traffic loses a member (SIGKILL, with a
+producer and a consumer connected to it); the members' event logs, the clients' histories
+(recorded by ``cpgbroker.history``) and the fault log are audited by ``cpgbroker audit`` run as
+an operator runs it, and every check passes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pika
+import pika.exceptions
+import pytest
+
+from cpgbroker.devbrokers import BrokerSet
+from cpgbroker.devcluster import DevCluster
+from cpgbroker.history import HistoryRecorder, decode_body, encode_body, producer_name
+
+pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.slow]
+
+ON_CI = os.environ.get("CI", "").lower() == "true"
+QUEUE = "audited"
+RUN_ID = 7
+# Enough events for digest checkpoints (every 10,000 events) before and after the kill.
+EVENTS_BEFORE_KILL = 11_000
+EVENTS_AFTER_KILL = 10_000
+CLIENT_ERRORS = (pika.exceptions.AMQPError, OSError)
+
+
+def require_spark() -> None:
+    problem = None
+    if not (shutil.which("java") or os.environ.get("JAVA_HOME")):
+        problem = "Java is not installed"
+    else:
+        try:
+            import pyspark  # noqa: F401
+        except ImportError as e:
+            problem = f"pyspark is not installed: {e}"
+    if problem:
+        if ON_CI:
+            pytest.fail(f"{problem} (CI=true: a skip would hide this)", pytrace=False)
+        pytest.skip(problem)
+
+
+class Traffic:
+    """Producers and consumers in threads (pika), each failing over along its URL list and
+    recording everything into a history file; in-memory bookkeeping says when all is drained."""
+
+    def __init__(self, brokers: BrokerSet, out: Path) -> None:
+        self.brokers = brokers
+        self.out = out
+        self.lock = threading.Lock()
+        self.confirmed: set[tuple[str, int]] = set()
+        self.consumed: set[tuple[str, int]] = set()
+        self.stop_publishing = threading.Event()
+        self.stop_consuming = threading.Event()
+        self.errors: list[str] = []
+        self.producers: list[threading.Thread] = []
+        self.consumers: list[threading.Thread] = []
+
+    def urls(self, first: int) -> list[str]:
+        order = [first, *(n for n in (1, 2, 3) if n != first)]
+        return [self.brokers.url(n) for n in order]
+
+    def _connect(self, rec: HistoryRecorder, urls: list[str], stop: threading.Event) -> Any:
+        while not stop.is_set():
+            for url in urls:
+                params = pika.URLParameters(url)
+                params.connection_attempts = 1
+                params.socket_timeout = 2
+                params.blocked_connection_timeout = 10
+                try:
+                    conn = pika.BlockingConnection(params)
+                except CLIENT_ERRORS:
+                    continue
+                rec.connected(url)
+                return conn
+            time.sleep(0.1)
+        return None
+
+    def _run(
+        self, name: str, body: Callable[[HistoryRecorder], None], threads: list[threading.Thread]
+    ) -> None:
+        def target() -> None:
+            with HistoryRecorder(self.out / f"{name}.history.jsonl", name) as rec:
+                try:
+                    body(rec)
+                except Exception as e:  # shown by the test's assertion on self.errors
+                    self.errors.append(f"{name}: {e!r}")
+
+        t = threading.Thread(target=target, name=name, daemon=True)
+        t.start()
+        threads.append(t)
+
+    def producer(self, pid: int, node: int) -> None:
+        name = f"producer-{pid}"
+        pname = producer_name(RUN_ID, pid)
+
+        def body(rec: HistoryRecorder) -> None:
+            seq = 0
+            while not self.stop_publishing.is_set():
+                conn = self._connect(rec, self.urls(node), self.stop_publishing)
+                if conn is None:
+                    return
+                try:
+                    ch = conn.channel()
+                    ch.confirm_delivery()
+                    ch.queue_declare(QUEUE)
+                    while not self.stop_publishing.is_set():
+                        seq += 1  # every attempt is a new message id
+                        rec.published(pname, seq, QUEUE)
+                        try:
+                            ch.basic_publish("", QUEUE, encode_body(RUN_ID, pid, seq, 64))
+                        except pika.exceptions.NackError:
+                            rec.confirmed(pname, seq, "nack")
+                            continue
+                        except CLIENT_ERRORS:
+                            rec.confirmed(pname, seq, "unknown")
+                            raise
+                        rec.confirmed(pname, seq, "ack")
+                        with self.lock:
+                            self.confirmed.add((pname, seq))
+                    conn.close()
+                    rec.disconnected("closed")
+                except CLIENT_ERRORS as e:
+                    rec.disconnected(f"lost: {type(e).__name__}")
+
+        self._run(name, body, self.producers)
+
+    def consumer(self, cid: int, node: int) -> None:
+        name = f"consumer-{cid}"
+
+        def body(rec: HistoryRecorder) -> None:
+            while not self.stop_consuming.is_set():
+                conn = self._connect(rec, self.urls(node), self.stop_consuming)
+                if conn is None:
+                    return
+                try:
+                    ch = conn.channel()
+                    ch.queue_declare(QUEUE)
+                    ch.basic_qos(prefetch_count=20)
+                    for method, _props, payload in ch.consume(QUEUE, inactivity_timeout=0.2):
+                        if self.stop_consuming.is_set():
+                            break
+                        if method is None:
+                            continue
+                        mid, _sent = decode_body(payload)
+                        rec.delivered(name, QUEUE, mid.producer, mid.seq, method.redelivered)
+                        ch.basic_ack(method.delivery_tag)
+                        rec.acked(name, QUEUE, mid.producer, mid.seq)
+                        with self.lock:
+                            self.consumed.add(mid)
+                    conn.close()
+                    rec.disconnected("closed")
+                except CLIENT_ERRORS as e:
+                    rec.disconnected(f"lost: {type(e).__name__}")
+
+        self._run(name, body, self.consumers)
+
+    def drained(self) -> bool:
+        with self.lock:
+            return self.confirmed <= self.consumed
+
+    @staticmethod
+    def join(threads: list[threading.Thread], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.1, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in threads), "client threads did not stop"
+
+
+def _wait_events(brokers: BrokerSet, node: int, seq: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = brokers.status(node)
+        if s is not None and s["event_seq"] >= seq:
+            return
+        assert time.monotonic() < deadline, f"member {node} at {s and s['event_seq']} < {seq}"
+        time.sleep(0.2)
+
+
+def test_a_run_with_a_killed_member_audits_green(
+    brokers: BrokerSet, cluster: DevCluster, tmp_path: Path
+) -> None:
+    require_spark()
+    started = time.time_ns()
+    histories = tmp_path / "histories"
+    histories.mkdir()
+    traffic = Traffic(brokers, histories)
+    # Node 3 will die: one producer and one consumer start there.
+    traffic.producer(1, node=1)
+    traffic.producer(2, node=3)
+    traffic.consumer(1, node=2)
+    traffic.consumer(2, node=3)
+    try:
+        _wait_events(brokers, 1, EVENTS_BEFORE_KILL, timeout=90)
+        cluster.record_fault("kill-broker", 3, url=brokers.url(3))
+        brokers.kill(3)
+        at_kill = brokers.status(1)
+        assert at_kill is not None
+        _wait_events(brokers, 1, at_kill["event_seq"] + EVENTS_AFTER_KILL, timeout=90)
+    finally:
+        traffic.stop_publishing.set()
+    # Only once no publish is in flight does "every confirmed message consumed" mean drained.
+    traffic.join(traffic.producers, 30)
+    deadline = time.monotonic() + 60
+    while not traffic.drained():
+        assert time.monotonic() < deadline, "confirmed messages were not all consumed"
+        time.sleep(0.2)
+    traffic.stop_consuming.set()
+    traffic.join(traffic.consumers, 30)
+    assert not traffic.errors, traffic.errors
+    with traffic.lock:
+        assert len(traffic.confirmed) > 1000
+    brokers.stop_all()  # the survivors flush their event logs
+
+    # The fault log of this test only (the dev cluster is shared by the session's tests).
+    faults = tmp_path / "faults.jsonl"
+    lines = (cluster.base / "faults.jsonl").read_text().splitlines()
+    faults.write_text("".join(line + "\n" for line in lines if json.loads(line)["t_ns"] >= started))
+    out = tmp_path / "audit"
+    cmd = [
+        sys.executable,
+        "-m",
+        "cpgbroker",
+        "audit",
+        "--out",
+        str(out),
+        "--master",
+        "local[2]",
+        "--conf",
+        "spark.sql.shuffle.partitions=4",
+        "--history",
+        str(histories),
+        "--faults",
+        str(faults),
+    ]
+    for n in (1, 2, 3):
+        cmd += ["--events", str(brokers.event_log_path(n))]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+    verdict = json.loads((out / "verdict.json").read_text())
+    assert proc.returncode == 0, (proc.stderr[-3000:], json.dumps(verdict["checks"], indent=1))
+    assert verdict["ok"] and json.loads(proc.stdout)["ok"]
+    checks = verdict["checks"]
+    assert all(c["status"] == "pass" for c in checks.values()), checks
+    # Real comparisons happened: checkpoints voted by several members, three members' streams.
+    assert checks["replica_consistency"]["compared"] >= 1
+    members = checks["total_order"]["members"]
+    assert len(members) == 3 and checks["total_order"]["overlap_all_members"] is not None
+    perf = verdict["performance"]
+    assert perf["confirmed"] >= len(traffic.confirmed)
+    assert perf["delivered"] >= perf["confirmed"]
+    # The clients of the killed member failed over; the audit measured how long that took.
+    gaps = perf["failover"]
+    assert gaps and {g["client"] for g in gaps} <= {"producer-2", "consumer-2"}
+    assert all(g["reconnect_gap_ms"] is not None for g in gaps), gaps
+    # The killed member's log may end with a partial line: reported, never a failure.
+    for p in verdict["inputs"]["events"]["reported"]:
+        assert p["kind"] == "partial-tail" and p["file"] == str(brokers.event_log_path(3))
+    assert (out / "report.html").exists()
+    assert "step 12/12" in proc.stderr  # progress was shown
