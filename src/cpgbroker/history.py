@@ -68,8 +68,9 @@ def decode_body(body: bytes) -> tuple[MessageId, int]:
 class HistoryRecorder:
     """Appends one client's operations to its history file. Thread-safe.
 
-    Records are buffered; :meth:`flush` (or :meth:`close`) writes them out. A client killed
-    mid-write leaves a partial last line, which the audit reports and ignores.
+    Every record is written out as it is made (line buffered): a client killed mid-write leaves
+    at most a partial last line, which the audit reports and ignores. A file that already has
+    records is refused: each client of a run needs its own name.
     """
 
     def __init__(
@@ -83,7 +84,15 @@ class HistoryRecorder:
         self.client = client
         self._clock = clock
         self._lock = threading.Lock()
-        self._file: IO[str] | None = open(self.path, "a", buffering=1 << 16)  # noqa: SIM115
+        # One client, one history: a second writer (a restarted client under the same name)
+        # would number its records from 0 again, and the audit could not order them.
+        if self.path.exists() and self.path.stat().st_size:
+            raise FileExistsError(
+                f"history {self.path} already has records: give every client of a run its own name"
+            )
+        # Line buffered: a killed client loses at most the line it was writing (a partial tail
+        # the audit ignores), never whole records it had already made.
+        self._file: IO[str] | None = open(self.path, "a", buffering=1)  # noqa: SIM115
         self._n = 0
         self.session = 0
         self.member: str | None = None

@@ -413,3 +413,20 @@ def spurious_redelivered_flag(run: Run, client: str = "consumer-0") -> tuple[str
     d = confirmed_delivered(run, client, 3)
     d["redelivered"] = True
     return d["producer"], d["seq"]
+
+
+def rejoin(run: Run, node: int = 2, away: tuple[int, int] = (40, 70), *, mark: bool = True) -> int:
+    """Member ``node`` lost quorum after event ``away[0]``, applied nothing more, and rejoined
+    in the same process (same member id) through a state update at event ``away[1]``: its log
+    skips the events in between. ``mark``: the records after the rejoin carry incarnation 2, as
+    a member writes them. Returns the first event of the new incarnation."""
+    lo, hi = away
+    kept = []
+    for r in run.events[node]:
+        if lo < r["seq"] <= hi:
+            continue  # not applied, no checkpoint, no verdict
+        if r["seq"] > hi and mark:
+            r["incarnation"] = 2
+        kept.append(r)
+    run.events[node] = kept
+    return hi + 1

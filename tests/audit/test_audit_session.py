@@ -3,8 +3,10 @@ loopback."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -43,3 +45,30 @@ def test_a_local_session_listens_on_loopback_only(spark: Any) -> None:
     local = [line.split()[3] for line in ours]
     assert all(a.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:")) for a in local), local
     assert os.environ.get("SPARK_LOCAL_IP") == "127.0.0.1"
+
+
+@pytest.mark.spark
+def test_under_spark_submit_the_job_takes_spark_submits_master(tmp_path: Path) -> None:
+    """An operator runs the job with spark-submit on a cluster: its --master must win over the
+    local default (checked with a local master that is not the default)."""
+    from conftest import require_spark
+
+    require_spark()
+    import histgen
+    import pyspark
+
+    import cpgbroker.audit.__main__ as entry
+
+    run = histgen.clean_run(messages=20).write(tmp_path / "run")
+    submit = Path(pyspark.__file__).parent / "bin" / "spark-submit"
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+    env.pop("SPARK_HOME", None)
+    proc = subprocess.run(
+        [str(submit), "--master", "local[1]", "--conf", "spark.ui.enabled=false",
+         "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.driver.bindAddress=127.0.0.1",
+         entry.__file__, str(run), "--out", str(tmp_path / "out"), "--quiet", "--no-report"],
+        capture_output=True, text=True, timeout=300, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    verdict = json.loads((tmp_path / "out" / "verdict.json").read_text())
+    assert verdict["ok"] and verdict["spark"]["master"] == "local[1]"

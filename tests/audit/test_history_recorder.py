@@ -112,3 +112,23 @@ def test_devcluster_fault_injections_are_logged_for_the_audit(tmp_path: Path) ->
     assert [(r["action"], r["node"]) for r in got] == [("kill-broker", 2), ("stop", 3)]
     assert got[0]["url"] == "amqp://127.0.0.1:5702/"
     assert got[0]["t_ns"] <= got[1]["t_ns"]
+
+
+def test_every_record_is_on_disk_when_the_call_returns(tmp_path: Path) -> None:
+    """A client killed right after a publish leaves that publish in its history (the audit
+    would otherwise see the message delivered but never published)."""
+    path = tmp_path / "p.history.jsonl"
+    rec = HistoryRecorder(path, "p")
+    rec.connected("amqp://h1/")
+    rec.published("p", 1, "q")
+    assert [r["op"] for r in records(path)] == ["connect", "publish"]  # no flush, no close
+    rec.close()
+
+
+def test_a_second_recorder_for_the_same_history_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "c.history.jsonl"
+    with HistoryRecorder(path, "c") as rec:
+        rec.connected("amqp://h1/")
+    with pytest.raises(FileExistsError, match="its own name"):
+        HistoryRecorder(path, "c")
+    assert len(records(path)) == 1

@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from pyspark.sql import SparkSession
 
+        if not args.no_report:
+            import matplotlib  # noqa: F401 - the report needs it: fail before any work is done
+
         from cpgbroker.audit import AuditConfig, InputError, get_session, run_audit
         from cpgbroker.audit.job import error_verdict
     except ImportError as e:
@@ -138,10 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             verdict = run_audit(spark, cfg)
-        except InputError as e:
-            verdict = error_verdict(cfg, str(e))
+        except Exception as e:
+            # Exit 1 means "a check found a violation": anything that stopped the audit itself
+            # (a corrupt input, an unwritable --out, a Spark failure) is an error, status 2.
+            text = str(e) if isinstance(e, InputError) else f"{type(e).__name__}: {e}"
+            verdict = error_verdict(cfg, text)
             print(json.dumps(verdict, indent=2))
-            print(f"cpgbroker audit: {e}", file=sys.stderr)
+            print(f"cpgbroker audit: {text}", file=sys.stderr)
             return EXIT_ERROR
     finally:
         if ours:

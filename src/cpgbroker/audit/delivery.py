@@ -28,8 +28,7 @@ from cpgbroker.audit.common import NS_PER_MS, violations
 from cpgbroker.audit.ingest import BAD
 from cpgbroker.audit.schemas import DISRUPTIVE, RECOVERING
 
-# The driver takes at most this many client sessions (one per client connection).
-MAX_SESSIONS = 1_000_000
+# The driver takes at most this many fault-log records.
 MAX_FAULTS = 100_000
 # A larger set of out-of-order deliveries is not broadcast to be matched with its messages.
 BROADCAST_AT_MOST = 1_000_000
@@ -152,6 +151,9 @@ def sessions(history: DataFrame, tables: str) -> DataFrame:
         F.col("c.member").alias("member"),
         F.coalesce("c.t_ns", "t_first").alias("t_start"),
         F.coalesce("d.t_ns", nxt, "t_last").alias("t_end"),
+        # The earliest the connection may have died: after the client's last record of it
+        # (the broker may requeue before the client notices, or before it reconnects).
+        "t_last",
         F.when(F.col("d.t_ns").isNotNull(), "disconnect")
         .when(nxt.isNotNull(), "reconnect")
         .otherwise("history-end")
@@ -168,7 +170,9 @@ def first_disturbance(
 ) -> int | None:
     """The first moment anything could have requeued a message: a fault, a client connection
     ending before its history did, a nack with requeue."""
-    t_sess = sess.where(F.col("ended_by") != "history-end").agg(F.min("t_end")).collect()[0][0]
+    # Every session counts: one that ends the history without a disconnect record may be a
+    # client that crashed holding messages (a still-connected client's ends with the run).
+    t_sess = sess.agg(F.min("t_last")).collect()[0][0]
     t_nack = (
         history.where((F.col("op") == "nack") & F.col("requeue")).agg(F.min("t_ns")).collect()[0][0]
     )
@@ -308,7 +312,7 @@ def _delivered_again(
         .withColumnsRenamed({"client": "p_client", "session": "p_session"})
     )
     ends = sess.select(
-        F.col("client").alias("p_client"), F.col("session").alias("p_session"), "t_end"
+        F.col("client").alias("p_client"), F.col("session").alias("p_session"), "t_last"
     )
     judged = (
         later.join(settles, ["p_client", "p_session", "producer", "seq"], "left")
@@ -323,10 +327,10 @@ def _delivered_again(
     t = F.col("t_ns")
     requeued = F.coalesce(F.col("t_requeue") < t, F.lit(False))
     # Its connection ended first; an ack sent shortly before that may have died with it.
-    ended = F.coalesce(F.col("t_end") <= t, F.lit(False)) & (
+    ended = F.coalesce(F.col("t_last") <= t, F.lit(False)) & (
         F.col("t_ack").isNull()
         | (F.col("t_ack") >= t)
-        | (F.col("t_end") - F.col("t_ack") <= settle_ns)
+        | (F.col("t_last") - F.col("t_ack") <= settle_ns)
     )
     dup = judged.where(~(requeued | ended))
     found.append(

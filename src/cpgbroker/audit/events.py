@@ -29,13 +29,23 @@ AROUND = 3
 
 
 def load(spark: SparkSession, staged: str) -> DataFrame:
-    return spark.read.parquet(staged).where(F.col("_state") != BAD)
+    return (
+        spark.read.parquet(staged)
+        .where(F.col("_state") != BAD)
+        .withColumn("incarnation", F.coalesce("incarnation", F.lit(1)))
+    )
 
 
 def applied(events: DataFrame) -> DataFrame:
     return events.where(~F.col("type").isin(*NOT_APPLIED)).select(
-        "seq", "member", "t_ns", "sender", "type", "conn", "size"
+        "seq", "member", "incarnation", "t_ns", "sender", "type", "conn", "size"
     )
+
+
+def replica_name(member: Any, incarnation: Any) -> str:
+    """How reports name one replica's stream: the member id, and for a member that rejoined
+    in the same process (after losing quorum) ``<member>#<incarnation>``."""
+    return str(member) if not incarnation or incarnation == 1 else f"{member}#{incarnation}"
 
 
 def _compared(events: DataFrame) -> DataFrame:
@@ -43,15 +53,18 @@ def _compared(events: DataFrame) -> DataFrame:
     member this one applied it, is it a second record of this member at that seq."""
     # A 64-bit hash stands for the event: two different events collide with odds of 2^-64.
     fp = F.xxhash64("sender", "type", F.coalesce("conn", F.lit(-1)), F.coalesce("size", F.lit(0)))
-    # One partitioning and ordering for all three, so Spark shuffles and sorts once.
-    ordered = Window.partitionBy("seq").orderBy("member")
+    # One partitioning and ordering for all three, so Spark shuffles and sorts once. A replica
+    # is one incarnation of a member: each has its own stream (see replica_name).
+    ordered = Window.partitionBy("seq").orderBy("member", "incarnation")
     whole = ordered.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
+    replica = F.struct("member", "incarnation")
     return (
         applied(events)
         .select("*", fp.alias("fp"))
         .select(
             "seq",
             "member",
+            "incarnation",
             "t_ns",
             "sender",
             "type",
@@ -59,7 +72,7 @@ def _compared(events: DataFrame) -> DataFrame:
             "size",
             (F.min("fp").over(whole) != F.max("fp").over(whole)).alias("div"),
             (F.col("t_ns") - F.min("t_ns").over(whole)).alias("lag_ns"),
-            F.coalesce(F.lag("member").over(ordered) == F.col("member"), F.lit(False)).alias("dup"),
+            F.coalesce(F.lag(replica).over(ordered) == replica, F.lit(False)).alias("dup"),
         )
     )
 
@@ -73,7 +86,7 @@ def total_order(
     as violations (None when there are none)."""
     c = _compared(events)
     lag_ms = F.col("lag_ns") / NS_PER_MS
-    per_second = c.groupBy(second("t_ns").alias("sec"), "member").agg(
+    per_second = c.groupBy(second("t_ns").alias("sec"), "member", "incarnation").agg(
         F.count(F.lit(1)).alias("events"),
         F.sum(F.coalesce("size", F.lit(0))).alias("bytes"),
         F.sum(F.col("dup").cast("long")).alias("dups"),
@@ -85,13 +98,15 @@ def total_order(
         F.max(lag_ms).alias("lag_max_ms"),
     )
     per_second.write.mode("overwrite").parquet(f"{tables}/member_seconds")
-    secs = rows(spark.read.parquet(f"{tables}/member_seconds").orderBy("sec", "member"))
+    secs = rows(
+        spark.read.parquet(f"{tables}/member_seconds").orderBy("sec", "member", "incarnation")
+    )
     members: dict[str, dict[str, Any]] = {}
     div_rows = 0
     first_div = None
     for r in secs:
         m = members.setdefault(
-            str(r["member"]),
+            replica_name(r["member"], r["incarnation"]),
             {"first_seq": r["seq_min"], "last_seq": r["seq_max"], "records": 0, "duplicates": 0},
         )
         m["first_seq"] = min(m["first_seq"], r["seq_min"])

@@ -18,6 +18,7 @@ Bad lines (not a JSON object of the schema, or missing a required field):
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Any
 
 import attrs
@@ -75,41 +76,48 @@ def display_path(path: str) -> str:
     return path[len("file:") :] if path.startswith("file:") else path
 
 
-def _is_dir(spark: SparkSession, path: str) -> bool:
+def list_files(spark: SparkSession, paths: list[str], pattern: str) -> list[str]:
+    """The files at ``paths``, each once: a directory is searched recursively for names matching
+    ``pattern``; a file or a glob is taken as given. A path that matches nothing is an error."""
     jvm: Any = spark.sparkContext._jvm
     jsc: Any = spark.sparkContext._jsc
-    hpath = jvm.org.apache.hadoop.fs.Path(path)
-    fs = hpath.getFileSystem(jsc.hadoopConfiguration())
-    return bool(fs.exists(hpath) and fs.getFileStatus(hpath).isDirectory())
+    conf = jsc.hadoopConfiguration()
+    found: dict[str, None] = {}  # ordered, without repeats
+    for p in paths:
+        hpath = jvm.org.apache.hadoop.fs.Path(p)
+        fs = hpath.getFileSystem(conf)
+        statuses = fs.globStatus(hpath)
+        if not statuses:
+            raise InputError(f"{p}: no such file or directory")
+        for st in statuses:
+            if not st.isDirectory():
+                found[st.getPath().toString()] = None
+                continue
+            it = fs.listFiles(st.getPath(), True)
+            while it.hasNext():
+                f = it.next().getPath()
+                if fnmatch.fnmatchcase(f.getName(), pattern):
+                    found[f.toString()] = None
+    return list(found)
 
 
 def read_lines(spark: SparkSession, paths: list[str], pattern: str) -> DataFrame | None:
-    """Every line of the files at ``paths``: a directory is read recursively (only files whose
-    name matches ``pattern``); a file or a glob is read as given."""
-    dirs = [p for p in paths if _is_dir(spark, p)]
-    others = [p for p in paths if p not in dirs]
-    frames = []
+    """Every line of the files at ``paths`` (see :func:`list_files`), each file read once even
+    when several paths name it (a run directory and a file inside it)."""
+    files = list_files(spark, paths, pattern)
+    if not files:
+        return None
     try:
-        if dirs:
-            reader = spark.read.option("recursiveFileLookup", "true")
-            frames.append(reader.option("pathGlobFilter", pattern).text(dirs))
-        if others:
-            frames.append(spark.read.text(others))
+        df = spark.read.text(files)
     except AnalysisException as e:
         raise InputError(f"cannot read {paths}: {e}") from None
-    if not frames:
-        return None
-    out = None
-    for df in frames:
-        df = df.select(
-            "value",
-            F.col("_metadata.file_path").alias("_file"),
-            F.col("_metadata.file_block_start").alias("_block"),
-            # Right at the scan: grows with the line within a split (see the module docstring).
-            F.monotonically_increasing_id().alias("_rid"),
-        )
-        out = df if out is None else out.unionByName(df)
-    return out
+    return df.select(
+        "value",
+        F.col("_metadata.file_path").alias("_file"),
+        F.col("_metadata.file_block_start").alias("_block"),
+        # Right at the scan: grows with the line within a split (see the module docstring).
+        F.monotonically_increasing_id().alias("_rid"),
+    )
 
 
 def _parse(value: Column, kind: str) -> tuple[Column, Column]:

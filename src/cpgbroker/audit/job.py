@@ -20,6 +20,15 @@ from cpgbroker.audit.progress import Progress
 
 DELIVERY_CHECKS = ("lost", "duplicated", "unexpected", "order", "redelivered_flag")
 STEPS = 12
+TABLES = (
+    "violations",
+    "messages",
+    "sessions",
+    "checkpoints",
+    "member_seconds",
+    "throughput",
+    "failover",
+)
 NO_EVENTS = "no member event log was given"
 NO_HISTORY = "no client history was given"
 
@@ -92,6 +101,10 @@ def _audit(spark: SparkSession, cfg: AuditConfig, staging: str) -> dict[str, Any
     settle_ns = int(cfg.failure_window_s * NS_PER_S)
     progress = Progress(spark.sparkContext, STEPS, enabled=cfg.progress)
 
+    # A reused --out must not show the tables of an earlier run next to this one's (a table
+    # whose input this run lacks would otherwise survive).
+    for name in TABLES:
+        _delete(spark, f"{tables}/{name}")
     staged: dict[str, ingest.Staged | None] = {}
     for kind, paths in (("events", cfg.events), ("history", cfg.history), ("faults", cfg.faults)):
         with progress.step(f"read {kind}"):
@@ -102,6 +115,12 @@ def _audit(spark: SparkSession, cfg: AuditConfig, staging: str) -> dict[str, Any
             if st is not None:
                 progress.note(f"  {kind}: {st.records} records in {len(st.files)} files")
     ev_st, hi_st, fa_st = staged["events"], staged["history"], staged["faults"]
+    if not any(st is not None and st.records for st in (ev_st, hi_st)):
+        # Passing on nothing would prove nothing: a wrong directory or file name is an error.
+        raise ingest.InputError(
+            "found no event log (*.events.jsonl) and no client history (*.history.jsonl) "
+            f"records in {sorted({*cfg.events, *cfg.history})}"
+        )
     fault_rows: list[dict[str, Any]] = []
     if fa_st is not None and fa_st.records:
         fault_rows = rows(
@@ -170,7 +189,7 @@ def _audit(spark: SparkSession, cfg: AuditConfig, staging: str) -> dict[str, Any
             series = perf.plot_series(spark, tables)
     with progress.step("failover gaps"):
         performance["failover"] = (
-            perf.failover(spark, hist, tables, fault_rows, settle_ns) if hist is not None else []
+            perf.failover(spark, hist, tables, fault_rows, windows) if hist is not None else []
         )
 
     starts = [s.t_min for s in staged.values() if s is not None and s.t_min is not None]
@@ -189,6 +208,7 @@ def _audit(spark: SparkSession, cfg: AuditConfig, staging: str) -> dict[str, Any
             "failure_window_s": cfg.failure_window_s,
         },
         "performance": performance,
+        "spark": {"master": spark.sparkContext.master, "version": spark.version},
         "outputs": {
             "verdict": str(out / "verdict.json"),
             "report": str(out / "report.html") if cfg.report else None,
@@ -210,7 +230,10 @@ def _audit(spark: SparkSession, cfg: AuditConfig, staging: str) -> dict[str, Any
 def error_verdict(cfg: AuditConfig, error: str) -> dict[str, Any]:
     """The verdict of an audit that could not run to the end (written like any other)."""
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     verdict = {"ok": False, "status": "error", "failed": [], "error": error, "checks": {}}
-    (out / "verdict.json").write_text(json.dumps(verdict, indent=2) + "\n")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "verdict.json").write_text(json.dumps(verdict, indent=2) + "\n")
+    except OSError:
+        pass  # the error may be this very directory; the verdict also goes to stdout
     return verdict

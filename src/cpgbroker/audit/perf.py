@@ -8,16 +8,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from cpgbroker.audit.common import ACCURACY, NS_PER_MS, rows, second
-from cpgbroker.audit.delivery import MAX_SESSIONS
+from cpgbroker.audit.delivery import FailureWindow
 from cpgbroker.audit.schemas import DISRUPTIVE
 
 QUANTILES = [0.5, 0.95, 0.99]
 # The driver keeps at most this many per-second rows for the plots (about 8 hours of a run).
 MAX_PLOT_SECONDS = 30_000
+# Affected client connections shown in the verdict and the report (the table has them all).
+MAX_FAILOVER_ROWS = 1_000
 
 
 def _scope(gid: Any, member_bit: int, queue_bit: int) -> Any:
@@ -116,20 +118,26 @@ def throughput(spark: SparkSession, tables: str) -> dict[str, Any]:
 
 def plot_series(spark: SparkSession, tables: str) -> list[dict[str, Any]]:
     """Per-second rows of the whole cluster and per member (small: for the plots)."""
-    table = spark.read.parquet(f"{tables}/throughput")
+    table = spark.read.parquet(f"{tables}/throughput").where(F.col("scope").isin("all", "member"))
+    # The first MAX_PLOT_SECONDS seconds of the run, every row of each (the whole cluster and
+    # every member), so a long run's plots are cut at a second, never inside one.
+    first = table.where(F.col("scope") == "all").agg(F.min("sec")).collect()[0][0]
+    if first is None:
+        return []
     return rows(
-        table.where(F.col("scope").isin("all", "member")).orderBy("sec", "scope", "key"),
-        limit=MAX_PLOT_SECONDS * 8,
+        table.where(F.col("sec") < first + MAX_PLOT_SECONDS).orderBy("sec", "scope", "key"),
+        limit=None,
     )
 
 
-def _host_port(url: str | None) -> str | None:
+def _host_port(url: Column) -> Column:
     """``amqp://user:pw@host:port/vhost`` -> ``host:port``: faults and clients may name one
     member by URLs that differ in credentials or vhost."""
-    if not url:
-        return None
-    rest = url.split("://", 1)[-1]
-    return rest.split("/", 1)[0].rsplit("@", 1)[-1]
+    return F.regexp_extract(url, r"^(?:[a-z0-9+]+://)?(?:[^@/]*@)?([^/?]*)", 1)
+
+
+def _gap_ms(col: str) -> Column:
+    return F.round((F.col(col) - F.col("t_fault")) / NS_PER_MS, 3)
 
 
 def failover(
@@ -137,69 +145,77 @@ def failover(
     history: DataFrame,
     tables: str,
     faults: list[dict[str, Any]],
-    settle_ns: int,
+    windows: list[FailureWindow],
 ) -> list[dict[str, Any]]:
-    """For each disruptive fault, each client whose connection ended within ``settle_ns`` after
-    it (and, when the fault names the member's URL, was connected to that member): when it
-    reconnected and when it next got a delivery or a confirm."""
-    if not any(f["action"] in DISRUPTIVE for f in faults):
+    """For each disruptive fault, each client whose connection ended within the fault's failure
+    window (and, when the fault names the member's URL, was connected to that member), not by
+    the client's own choice: when it reconnected and when it next got a delivery or a confirm.
+
+    A join on the executors (sessions x faults); the driver gets the affected connections,
+    at most ``MAX_FAILOVER_ROWS`` of them (all are in the ``failover`` table)."""
+    disruptive = [f for f in sorted(faults, key=lambda f: f["t_ns"]) if f["action"] in DISRUPTIVE]
+    if not disruptive:
         return []
-    sess = rows(spark.read.parquet(f"{tables}/sessions"), limit=MAX_SESSIONS)
-    affected: list[dict[str, Any]] = []
-    for i, f in enumerate(sorted(faults, key=lambda f: f["t_ns"])):
-        if f["action"] not in DISRUPTIVE:
-            continue
-        t = f["t_ns"]
-        where = _host_port(f.get("url"))
-        for s in sess:
-            if not (s["t_start"] <= t <= s["t_end"] <= t + settle_ns):
-                continue
-            if s["ended_by"] == "history-end" or s["reason"] == "closed":
-                continue  # the client finished, or closed the connection itself
-            if where and s["member"] and _host_port(s["member"]) != where:
-                continue
-            affected.append(
-                {
-                    "fault": i,
-                    "action": f["action"],
-                    "node": f["node"],
-                    "t_fault": t,
-                    "client": s["client"],
-                    "session": s["session"],
-                    "member": s["member"],
-                    "t_lost": s["t_end"],
-                    "t_reconnect": s["t_next"],
-                }
-            )
-    if not affected:
-        return []
-    want = spark.createDataFrame(
-        [(a["fault"], a["client"], a["t_reconnect"] or (1 << 62)) for a in affected],
-        "fault long, w_client string, t_reconnect long",
+    # failure_windows() yields one window per disruptive fault, in time order.
+    fdf = spark.createDataFrame(
+        [
+            (i, f["action"], f["node"], f["t_ns"], w.end, f.get("url"))
+            for i, (f, w) in enumerate(zip(disruptive, windows, strict=True))
+        ],
+        "fault long, action string, node long, t_fault long, w_end long, f_url string",
+    )
+    sess = spark.read.parquet(f"{tables}/sessions")
+    affected = sess.join(
+        F.broadcast(fdf),
+        (F.col("t_start") <= F.col("t_fault"))
+        & (F.col("t_fault") <= F.col("t_end"))
+        & (F.col("t_end") <= F.col("w_end"))
+        # The client finished, or closed the connection itself: not a failover.
+        & (F.col("ended_by") != "history-end")
+        & F.coalesce(F.col("reason") != "closed", F.lit(True))
+        & (
+            F.col("f_url").isNull()
+            | F.col("member").isNull()
+            | (_host_port(F.col("f_url")) == _host_port(F.col("member")))
+        ),
+    ).select(
+        "fault",
+        "action",
+        "node",
+        "t_fault",
+        "client",
+        "session",
+        "member",
+        F.col("t_end").alias("t_lost"),
+        F.col("t_next").alias("t_reconnect"),
     )
     ok = (F.col("op") == "deliver") | ((F.col("op") == "confirm") & (F.col("outcome") == "ack"))
-    resumed = {
-        (r["fault"], r["w_client"]): r["t_resume"]
-        for r in history.where(ok)
-        .select("client", "t_ns")
+    resumed = (
+        history.where(ok)
+        .select(F.col("client").alias("r_client"), "t_ns")
         .join(
-            F.broadcast(want),
-            (F.col("client") == F.col("w_client")) & (F.col("t_ns") > F.col("t_reconnect")),
+            affected.select("fault", "client", "t_reconnect"),
+            (F.col("r_client") == F.col("client")) & (F.col("t_ns") > F.col("t_reconnect")),
         )
-        .groupBy("fault", "w_client")
+        .groupBy("fault", "client")
         .agg(F.min("t_ns").alias("t_resume"))
-        .collect()
-    }
-    for a in affected:
-        a["t_resume"] = resumed.get((a["fault"], a["client"]))
-        for name, key in (("reconnect", "t_reconnect"), ("resume", "t_resume")):
-            a[f"{name}_gap_ms"] = (
-                None if a[key] is None else round((a[key] - a["t_fault"]) / NS_PER_MS, 3)
-            )
-    spark.createDataFrame(
-        affected,
-        "fault long, action string, node long, t_fault long, client string, session long, "
-        "member string, t_lost long, t_reconnect long, t_resume long, "
-        "reconnect_gap_ms double, resume_gap_ms double",
-    ).write.mode("overwrite").parquet(f"{tables}/failover")
-    return affected
+    )
+    table = affected.join(resumed, ["fault", "client"], "left").select(
+        "fault",
+        "action",
+        "node",
+        "t_fault",
+        "client",
+        "session",
+        "member",
+        "t_lost",
+        "t_reconnect",
+        "t_resume",
+        _gap_ms("t_reconnect").alias("reconnect_gap_ms"),
+        _gap_ms("t_resume").alias("resume_gap_ms"),
+    )
+    table.write.mode("overwrite").parquet(f"{tables}/failover")
+    return rows(
+        spark.read.parquet(f"{tables}/failover").orderBy("fault", "client", "session"),
+        limit=MAX_FAILOVER_ROWS,
+    )

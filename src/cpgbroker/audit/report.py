@@ -87,14 +87,17 @@ def plots(
     out: list[tuple[str, str]] = []
     overall = [r for r in series if r["scope"] == "all"]
     if overall:
-        xs = [r["sec"] - t0 / NS_PER_S for r in overall]
+        # A second without a row had no traffic: 0, so that an outage shows as one.
+        by_sec = {r["sec"]: r for r in overall}
+        secs = range(min(by_sec), max(by_sec) + 1)
+        xs = [sec - t0 / NS_PER_S for sec in secs]
         fig, ax = _figure("Throughput", "messages / s")
         for key, label in (
             ("published", "published"),
             ("confirmed", "confirmed"),
             ("delivered", "delivered (first deliveries)"),
         ):
-            _line(ax, xs, [r[key] for r in overall], label)
+            _line(ax, xs, [by_sec[sec][key] or 0 if sec in by_sec else 0 for sec in secs], label)
         _faults(ax, faults, t0)
         ax.legend(loc="lower left", fontsize=8)
         out.append(("Throughput over time", _png(fig)))

@@ -25,6 +25,8 @@ EVENT_SCHEMA = T.StructType(
         T.StructField("seq", T.LongType()),
         T.StructField("t_ns", T.LongType()),
         T.StructField("member", T.LongType()),
+        # Absent in logs of builds before quorum support: read as 1.
+        T.StructField("incarnation", T.LongType()),
         T.StructField("sender", T.LongType()),
         T.StructField("type", T.StringType()),
         T.StructField("conn", T.LongType()),

@@ -48,9 +48,11 @@ def configured_master(explicit: str | None = None) -> str | None:
     if explicit:
         return explicit
     if os.environ.get("PYSPARK_GATEWAY_PORT"):
-        # Under spark-submit: the JVM already runs with its configuration.
-        from pyspark import SparkConf
+        # Under spark-submit: the JVM already runs with its configuration. SparkConf reads it
+        # only once the gateway is up (before, it is an empty Python dict).
+        from pyspark import SparkConf, SparkContext
 
+        SparkContext._ensure_initialized()
         master = SparkConf().get("spark.master")
         return str(master) if master else None
     args = shlex.split(os.environ.get("PYSPARK_SUBMIT_ARGS", ""))
