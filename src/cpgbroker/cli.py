@@ -63,6 +63,15 @@ def _status(url: str, as_json: bool) -> int:
         print(json.dumps(data, indent=2))
         return 0
     print(f"state: {data.get('state')}  event_seq: {data.get('event_seq')}")
+    q = data.get("quorum")
+    if q:
+        votes = f"votes {q.get('votes', '?')}/{q.get('expected_votes', '?')}"
+        print(
+            f"quorum: {'quorate' if q.get('quorate') else 'NOT QUORATE'}  {votes}"
+            f"  (needs {q.get('quorum', '?')})"
+        )
+    if data.get("last_suspension"):
+        print(f"last suspension: {data['last_suspension']}")
     if data.get("member") is not None:
         print(
             f"member: {data['member']}  url: {data.get('url')}  clock: {data.get('clock_master')}"

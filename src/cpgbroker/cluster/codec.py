@@ -30,7 +30,8 @@ from cpgbroker.model.events import (
 )
 
 MAGIC = 0xCB
-FORMAT = 1
+# 2: Hello carries the state a member kept when its partition lost quorum.
+FORMAT = 2
 
 T_DATA = 1
 T_CONNECTED = 2
@@ -65,6 +66,11 @@ class Hello:
     # The sender's clock (ms) when it said hello: members becoming ready start cluster time at
     # the latest of these, so the first client event never sees time jump from zero.
     now_ms: int = 0
+    # The state a member kept when its partition lost quorum (0, 0: none): the seq of the last
+    # ring whose quorum verdict let its stream through, and its event seq then. When the whole
+    # cluster lost quorum, nobody serves on rejoining; the newest such state is resumed.
+    recover_ring: int = 0
+    recover_seq: int = 0
 
 
 @attrs.frozen
@@ -161,6 +167,8 @@ def encode(ev: Any) -> bytes:
             + _str(ev.url)
             + _str(ev.software)
             + _U64.pack(ev.now_ms)
+            + _U64.pack(ev.recover_ring)
+            + _U64.pack(ev.recover_seq)
         )
     if t is Checkpoint:
         return (
@@ -242,9 +250,21 @@ def decode_batch(data: bytes, sender: int) -> list[Any]:
                 digest = bytes(data[p + 12 : p + 12 + dlen])
                 url, p = _read_str(data, p + 12 + dlen)
                 software, p = _read_str(data, p)
-                now_ms = _U64.unpack_from(data, p)[0]
-                p += 8
-                out.append(Hello(member, status, version, digest, url, software, now_ms))
+                now_ms, recover_ring, recover_seq = struct.unpack_from(">QQQ", data, p)
+                p += 24
+                out.append(
+                    Hello(
+                        member,
+                        status,
+                        version,
+                        digest,
+                        url,
+                        software,
+                        now_ms,
+                        recover_ring,
+                        recover_seq,
+                    )
+                )
                 continue
             if t == T_PROGRESS:
                 member, seq = struct.unpack_from(">QQ", data, p)

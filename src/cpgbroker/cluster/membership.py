@@ -18,6 +18,11 @@ member makes the same decision at the same point.
   (:meth:`Membership.export`), which the newcomer adopts (:meth:`Membership.adopt`) before it
   replays the events delivered after that point; once caught up it says ``Hello(ready)``, and
   every member (the newcomer too) counts it as serving from where that hello is delivered.
+* After the whole cluster lost quorum nobody serves, so nobody moved on: members rejoin as new
+  members and say in their hello which state they kept (:class:`Hello` ``recover_*``). At the
+  start-up point the member holding the newest kept state (latest quorate ring, then most
+  events, then lowest id) resumes serving with it (``ResumeState``) and every other member
+  takes a state update from it; without any kept state they start empty as at first start-up.
 * A member leaving (CPG confchg) becomes ``MemberLeft`` for the model, so every replica closes
   its clients' shadow connections at that point, followed by the new member list.
 * The clock master, which multicasts cluster time, is the ready member with the lowest member
@@ -68,7 +73,15 @@ class Fatal:
     reason: str
 
 
-Action = SendHello | BecomeReady | ApplyToModel | NeedUpdate | Fatal
+@attrs.frozen
+class ResumeState:
+    """This member resumes the state it kept when quorum was lost (then :class:`BecomeReady`);
+    cluster time goes on from ``start_ms`` at the earliest."""
+
+    start_ms: int
+
+
+Action = SendHello | BecomeReady | ApplyToModel | NeedUpdate | Fatal | ResumeState
 
 
 @attrs.define(eq=False)
@@ -78,6 +91,8 @@ class MemberInfo:
     url: str = ""
     software: str = ""
     now_ms: int = 0
+    recover_ring: int = 0
+    recover_seq: int = 0
 
 
 class Membership:
@@ -187,6 +202,8 @@ class Membership:
         info.url = h.url
         info.software = h.software
         info.now_ms = h.now_ms
+        info.recover_ring = h.recover_ring
+        info.recover_seq = h.recover_seq
         if self.state == READY:
             if h.status == STATUS_READY and info.status != STATUS_READY:
                 # A member that caught up through a state update starts serving here: its URL
@@ -223,10 +240,29 @@ class Membership:
             return []
         if any(i.status != STATUS_NEW for i in self.members.values()):
             return []
+        start = max(i.now_ms for i in self.members.values())
+        best = max(self.members.values(), key=lambda i: (i.recover_ring, i.recover_seq, -i.member))
+        if best.recover_ring:
+            # Every member lost quorum, so none moved on; resume the newest state kept.
+            best.status = STATUS_READY
+            if best.member == self.me:
+                self.state = READY
+                return [
+                    ResumeState(start),
+                    BecomeReady(),
+                    ApplyToModel(ClusterMembers(self.urls())),
+                ]
+            self.state = NEEDS_UPDATE
+            return [
+                NeedUpdate(
+                    f"member {best.member} resumes the newest state kept when the cluster lost "
+                    f"quorum (ring {best.recover_ring}, event {best.recover_seq}); this member "
+                    "takes a state update from it"
+                )
+            ]
         for i in self.members.values():
             i.status = STATUS_READY
         self.state = READY
-        start = max(i.now_ms for i in self.members.values())
         return [
             ApplyToModel(Tick(start)),
             BecomeReady(),

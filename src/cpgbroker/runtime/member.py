@@ -42,23 +42,30 @@ from cpgbroker.cluster.membership import (
     Fatal,
     Membership,
     NeedUpdate,
+    ResumeState,
     SendHello,
 )
+from cpgbroker.cluster.quorum import SERVE, STOP, decide, ring_change
 from cpgbroker.config import ServerConfig, parse_listen
 from cpgbroker.cpg import (
     MAX_IOVEC,
     ConfChg,
+    CpgEvent,
     Deliver,
     PartitionMerge,
+    Reason,
     RingChangeSameMembers,
+    RingId,
+    TotemConfChg,
     tune_malloc,
 )
 from cpgbroker.errors import ClusterError, CpgError
 from cpgbroker.model import snapshot
 from cpgbroker.model.broker import Broker
-from cpgbroker.model.events import ClientConnected, ClientData, Event, Tick
+from cpgbroker.model.events import ClientConnected, ClientData, Event, MemberLeft, Tick
 from cpgbroker.runtime import admin, update
 from cpgbroker.runtime.cpg_trio import TrioCpg, open_cpg
+from cpgbroker.runtime.quorum_trio import TrioQuorum, open_quorum
 from cpgbroker.runtime.server import Node, forced_close_frame, open_listeners, wait_for_signal
 
 log = logging.getLogger("cpgbroker.member")
@@ -74,6 +81,16 @@ CHECKPOINT_EVERY = 10_000
 # Without this, corosync buffers for a slow member without limit (and never gives the memory
 # back).
 PROGRESS_EVERY = 1_000
+# How long a held ring change may wait for its TotemConfChg and for votequorum's verdict on the
+# new ring. Both come from the same corosync synchronisation and arrive within milliseconds;
+# past this something is wrong, and the member stops serving rather than guess.
+VERDICT_TIMEOUT = 10.0
+# After quorum loss, how long clients get to read connection.close before being cut.
+SUSPEND_GRACE = 2.0
+NOT_QUORATE_TEXT = (
+    "member is not in a quorate partition; it serves again once its partition regains quorum "
+    "and it has resynchronised: use another member"
+)
 
 _TYPE_NAMES = {
     "ClientData": "data",
@@ -102,10 +119,39 @@ def config_digest(config: ServerConfig) -> bytes:
 
 
 class ClusterNode(Node):
-    def __init__(self, config: ServerConfig, cpg: TrioCpg, member: int) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        cpg: TrioCpg,
+        member: int,
+        *,
+        quorum: TrioQuorum | None = None,
+        conn_counter: int = 0,
+        kept: tuple[Broker, int] | None = None,
+        incarnation: int = 1,
+    ) -> None:
         super().__init__(config, member)
         assert config.cluster is not None
         self.cpg = cpg
+        # Without a quorum handle (unit tests on an in-memory bus) nothing is gated.
+        self.quorum = quorum
+        # Connection ids stay unique when the same process rejoins with the same member id.
+        self._conn_counter = conn_counter
+        # Set when this member stopped serving for good in this incarnation (quorum lost,
+        # or merged back on the smaller side): why, for logs, clients and status.
+        self.suspended: str | None = None
+        self.scope: trio.CancelScope | None = None
+        # The last ring whose quorum verdict let the stream through.
+        self._ring: RingId | None = None
+        self.client_scopes: dict[int, trio.CancelScope] = {}
+        # The model a previous incarnation held when quorum was lost, with the seq of its last
+        # quorate ring: offered in our hellos, resumed only if the whole cluster lost quorum.
+        self.kept = kept
+        # Every incarnation of this process has the same member id and appends to the same
+        # event log, its sequence numbers starting again at its update point: the event log
+        # tells them apart by this number (the audit checks each incarnation's own stream).
+        self.incarnation = incarnation
+        self.merged_away = False
         self.cluster_cfg = config.cluster
         self.membership = Membership(
             member,
@@ -240,8 +286,21 @@ class ClusterNode(Node):
 
     async def deliver_loop(self) -> None:
         cpg = self.cpg
+        # Stream items of a ring change, held until the new ring's quorum verdict (see
+        # cluster/quorum.py): nothing delivered in an inquorate ring is ever applied.
+        held: list[CpgEvent] = []
+        batch: list[CpgEvent]
         while True:
-            for ev in await cpg.receive_batch():
+            if held:
+                with trio.move_on_after(VERDICT_TIMEOUT):
+                    held += await cpg.receive_batch()
+                    batch, held = held, []
+                if held:
+                    self.suspend("the CPG ring changed but the new ring was never reported")
+                    return
+            else:
+                batch = await cpg.receive_batch()
+            for i, ev in enumerate(batch):
                 t = type(ev)
                 if t is Deliver:
                     sender = member_id(ev.nodeid, ev.pid)  # type: ignore[union-attr]
@@ -252,7 +311,80 @@ class ClusterNode(Node):
                 elif t is RingChangeSameMembers:
                     log.info("ring re-formed with the same members ring=%s", ev.ring_id)  # type: ignore[union-attr]
                 else:
+                    if self.quorum is not None and (
+                        t is TotemConfChg
+                        or (
+                            t is ConfChg
+                            and ring_change(
+                                [c.reason for c in (*ev.left, *ev.joined)],  # type: ignore[union-attr]
+                                Reason.NODEDOWN,
+                                Reason.NODEUP,
+                            )
+                        )
+                    ):
+                        # A ConfChg caused by a ring change precedes the TotemConfChg that
+                        # names the ring: hold everything from here until it has arrived.
+                        ring = next((x.ring_id for x in batch[i:] if type(x) is TotemConfChg), None)
+                        if ring is None:
+                            held = batch[i:]
+                            break
+                        if ring != self._ring and not await self._await_verdict(ring):
+                            return
                     self._on_event(ev, None)
+                if self.suspended is not None:
+                    return
+
+    async def _await_verdict(self, ring: RingId) -> bool:
+        """Wait for votequorum's verdict on ``ring``; True if quorate, else stop serving."""
+        assert self.quorum is not None
+        key = (ring.nodeid, ring.seq)
+        with trio.move_on_after(VERDICT_TIMEOUT):
+            while True:
+                d = decide(self.quorum.view.verdict(key))
+                if d == SERVE:
+                    self._ring = ring
+                    return True
+                if d == STOP:
+                    self.suspend(f"ring {ring.nodeid}.{ring.seq} is not quorate")
+                    return False
+                await self.quorum.wait_change()
+        self.suspend(f"votequorum gave no verdict on ring {ring.nodeid}.{ring.seq}")
+        return False
+
+    def apply(self, ev: Event) -> None:
+        # A suspended member's model is about to be discarded: nothing more reaches clients.
+        if self.suspended is None:
+            self.execute(self.broker.apply(ev))
+
+    @property
+    def serving(self) -> bool:
+        return self.ready.is_set() and self.suspended is None
+
+    def suspend(self, reason: str) -> None:
+        """Stop serving at once (quorum lost, or merged back on the smaller side).
+
+        Synchronous, so it takes effect before anything else runs: every local client gets
+        connection.close 320 after the output already queued for it (whole frames), no event
+        is applied any more, and this incarnation ends. Its model is discarded: it may hold
+        events the quorate side never saw. The member joins again as a newcomer once quorate.
+        """
+        if self.suspended is not None or self.failure is not None:
+            return
+        self.suspended = reason
+        log.error("stopping client service: %s", reason)
+        frame = forced_close_frame(NOT_QUORATE_TEXT)
+        for lc in self.local.values():
+            if not lc.closing:
+                lc.out += frame
+            lc.closing = True
+            lc.model_closed = True
+            lc.close_reason = lc.close_reason or reason
+            lc.wake.set()
+        if self.scope is not None:
+            self.scope.cancel()
+
+    def on_quorum_loss(self, reason: str) -> None:
+        self.suspend(reason)
 
     def _on_event(self, e: Any, sender: int | None) -> None:
         """Every item of the stream passes here. A newcomer keeps what arrives after its
@@ -320,6 +452,9 @@ class ClusterNode(Node):
         self._after_apply(e, sender)
 
     def _after_apply(self, e: Any, sender: int) -> None:
+        if self.suspended is not None:
+            # Not applied (see apply): nothing to log, report or digest.
+            return
         self.delivered_events += 1
         if self._event_log is not None:
             self._log_event(
@@ -354,11 +489,16 @@ class ClusterNode(Node):
             for m in others:
                 self.membership.members.pop(m, None)
             return
-        raise ClusterError(
+        reason = (
             "this member was partitioned from the cluster and merged back on the smaller side: "
-            "it missed events the others applied, so its state cannot be trusted; leaving "
-            f"(other side: {others})"
+            "it missed events the others applied, so its state cannot be trusted"
         )
+        if self.quorum is not None:
+            # With quorum it has not served since the split; it resynchronises instead.
+            self.merged_away = True
+            self.suspend(f"{reason}; rejoining through a state update (other side: {others})")
+            return
+        raise ClusterError(f"{reason}; leaving (other side: {others})")
 
     def _on_confchg(self, ev: ConfChg) -> None:
         members = [
@@ -403,6 +543,8 @@ class ClusterNode(Node):
                             self.cluster_cfg.url,
                             f"cpgbroker {__version__}",
                             self.now_ms(),
+                            0 if self.kept is None else self.kept[1],
+                            0 if self.kept is None else self.kept[0].event_seq,
                         )
                     )
                 )
@@ -422,9 +564,34 @@ class ClusterNode(Node):
                 self._after_apply(a.event, 0)
             elif t is NeedUpdate:
                 log.info("%s", a.reason)
+                self.kept = None
                 self._request_update()
+            elif t is ResumeState:
+                self._resume(a.start_ms)
             elif t is Fatal:
                 raise ClusterError(a.reason)
+
+    def _resume(self, start_ms: int) -> None:
+        """Serve again with the state kept when the whole cluster lost quorum.
+
+        Its connections are all from before the split (no client event precedes this point),
+        so each of their members is treated as gone: connections closed, unacked messages
+        requeued. Nobody else has a model yet: they take updates after this point.
+        """
+        assert self.kept is not None
+        broker, ring = self.kept
+        self.kept = None
+        self.broker = broker
+        stale = sorted({codec.split_conn(c)[0] for c in broker.connections})
+        log.warning(
+            "resuming the state kept since quorum was lost: ring %s, event %s, closing the "
+            "connections of %d former members",
+            ring,
+            broker.event_seq,
+            len(stale),
+        )
+        self._act([ApplyToModel(MemberLeft(m)) for m in stale])
+        self._act([ApplyToModel(Tick(max(start_ms, broker.now_ms)))])
 
     # ------------------------------------------------------------------ state update
 
@@ -655,6 +822,7 @@ class ClusterNode(Node):
     def _write_log(self, rec: dict[str, Any]) -> None:
         if self._event_log is not None:
             rec.setdefault("member", self.member)
+            rec.setdefault("incarnation", self.incarnation)
             rec.setdefault("t_ns", time.time_ns())
             self._event_log.write(json.dumps(rec, separators=(",", ":")) + "\n")
 
@@ -697,11 +865,16 @@ class ClusterNode(Node):
                     {"newcomer": u["newcomer"], "seq": u["seq"], "pid": u["pid"]}
                     for u in self.updates.values()
                 ],
+                "quorum": None if self.quorum is None else self.quorum.status(),
             }
         )
+        if self.suspended is not None:
+            out["suspended"] = self.suspended
         return out
 
     def _state_name(self) -> str:
+        if self.suspended is not None:
+            return "suspended"
         if self.membership.state == NEEDS_UPDATE:
             return "updating" if self.update_progress is not None else "needs-update"
         if self._installed and not self.ready.is_set():
@@ -727,6 +900,254 @@ def listener_address(lst: trio.SocketListener) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+class MemberProcess:
+    """One broker process as a cluster member, across incarnations.
+
+    An incarnation is one CPG membership (one :class:`ClusterNode` and its model). Losing
+    quorum ends it: its clients are told to go, its state is dropped, and once the partition
+    is quorate again a new incarnation joins the group as a newcomer and takes a state update.
+    The AMQP listeners, the status endpoint and the votequorum handle outlive incarnations;
+    while no incarnation serves, new AMQP connections are refused with connection.close 320.
+    """
+
+    def __init__(self, config: ServerConfig, quorum: TrioQuorum) -> None:
+        assert config.cluster is not None
+        self.config = config
+        self.cluster = config.cluster
+        self.quorum = quorum
+        self.node: ClusterNode | None = None
+        self.conn_counter = 0
+        self.incarnations = 0
+        self.phase = "waiting-for-quorum"
+        self.last_suspension: str | None = None
+        self.refused = 0
+        self.stop = trio.Event()
+        # (model, ring seq) kept from an incarnation that served until quorum was lost.
+        self.kept: tuple[Broker, int] | None = None
+
+    def status(self, with_digest: bool = False) -> dict[str, Any]:
+        node = self.node
+        if node is not None and node.suspended is None:
+            out = node.status(with_digest)
+        else:
+            out = {
+                "member": None if node is None else node.member,
+                "url": self.cluster.url,
+                "state": self.phase,
+                "digest": None,
+                "event_seq": None,
+                "members": [],
+                "connections": {"local": 0, "shadow": 0},
+                "queues": {},
+                "quorum": self.quorum.status(),
+            }
+        out["incarnations"] = self.incarnations
+        out["refused_connections"] = self.refused
+        if self.last_suspension is not None:
+            out["last_suspension"] = self.last_suspension
+        return out
+
+    async def handle_client(self, stream: trio.SocketStream) -> None:
+        node = self.node
+        if self.stop.is_set():
+            await refuse(stream, "broker shutdown")
+            return
+        if node is None or not node.serving:
+            self.refused += 1
+            await refuse(stream, NOT_QUORATE_TEXT)
+            return
+        with trio.CancelScope() as scope:
+            key = id(scope)
+            node.client_scopes[key] = scope
+            try:
+                await node.handle(stream)
+            finally:
+                del node.client_scopes[key]
+
+    async def run(
+        self, task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        config, cluster = self.config, self.cluster
+        listeners: list[trio.SocketListener] = []
+        async with trio.open_nursery() as outer:
+            if config.admin_listen:
+                # Before readiness: ``status`` shows a joining member's quorum and progress.
+                await outer.start(admin.serve_admin, config.admin_listen, self.status)
+
+            async def on_signal() -> None:
+                signum = await wait_for_signal()
+                log.info("stopping member signal=%s", signum)
+                self.stop.set()
+                if self.node is None or not self.node.serving:
+                    outer.cancel_scope.cancel()  # nothing to shut down gracefully
+
+            outer.start_soon(on_signal)
+            first = True
+            while True:
+                if not self.quorum.quorate:
+                    self.phase = "waiting-for-quorum"
+                    log.warning("this node's partition is not quorate: waiting for quorum")
+                    if first:
+                        # Start-up waits for quorum as well as for the configured size.
+                        with trio.move_on_after(cluster.ready_timeout):
+                            await self.quorum.wait_quorate()
+                        if not self.quorum.quorate:
+                            raise ClusterError(
+                                f"this node was not quorate within {cluster.ready_timeout:.0f} s"
+                            )
+                    else:
+                        await self.quorum.wait_quorate()
+                    log.info("quorate: joining the cluster group")
+                self.phase = "joining"
+                serving_started = await self._incarnation(outer, listeners, first)
+                if serving_started and first:
+                    first = False
+                    task_status.started(self.bound)
+                if self.stop.is_set():
+                    break
+            outer.cancel_scope.cancel()
+        for lst in listeners:
+            await lst.aclose()
+
+    async def _incarnation(
+        self, outer: trio.Nursery, listeners: list[trio.SocketListener], first: bool
+    ) -> bool:
+        """Join, get ready (from scratch or by update), serve until signalled (returns) or
+        suspended (returns, the caller waits for quorum and starts another). Returns whether
+        the member served in this incarnation."""
+        config, cluster = self.config, self.cluster
+        self.incarnations += 1
+        served = False
+        async with open_cpg(cluster.group, netns=cluster.netns or None) as cpg:
+            me = member_id(cpg.local_nodeid, os.getpid())
+            node = ClusterNode(
+                config,
+                cpg,
+                me,
+                quorum=self.quorum,
+                conn_counter=self.conn_counter,
+                kept=self.kept,
+                incarnation=self.incarnations,
+            )
+            self.node = node
+            unregister = self.quorum.on_loss(node.on_quorum_loss)
+            log.info(
+                "joined member=%s node=%s pid=%s incarnation=%d",
+                me,
+                cpg.local_nodeid,
+                os.getpid(),
+                self.incarnations,
+            )
+            try:
+                async with trio.open_nursery() as nursery:
+                    node.scope = nursery.cancel_scope
+                    if not self.quorum.quorate:  # lost between the wait and the join
+                        node.suspend("this node lost quorum while joining")
+
+                    async def guarded(fn: Any) -> None:
+                        # A member that cannot stay consistent stops serving at once; the
+                        # failure is reported after the nursery, not as an exception group.
+                        try:
+                            await fn()
+                        except (ClusterError, CpgError) as e:
+                            node.failure = str(e)
+                            nursery.cancel_scope.cancel()
+
+                    update_listeners = await open_update_listeners(
+                        cluster.update_listen, cluster.url
+                    )
+                    node.update_address = listener_address(update_listeners[0])
+                    nursery.start_soon(trio.serve_listeners, node.update_handler, update_listeners)
+                    nursery.start_soon(guarded, node.sender)
+                    nursery.start_soon(guarded, node.deliver_loop)
+                    nursery.start_soon(guarded, node.catch_up)
+                    nursery.start_soon(node.cluster_ticker)
+                    nursery.start_soon(node.reap_updaters)
+                    activity = -1
+                    while not node.ready.is_set():
+                        with trio.move_on_after(cluster.ready_timeout):
+                            await node.ready.wait()
+                        if node.ready.is_set() or nursery.cancel_scope.cancel_called:
+                            break
+                        if node.update_activity() != activity:
+                            activity = node.update_activity()  # an update progresses: wait on
+                            continue
+                        node.failure = (
+                            f"the cluster did not become ready within "
+                            f"{cluster.ready_timeout:.0f} s (expected {cluster.size} members, "
+                            f"have {len(node.membership.members)}, state {node._state_name()})"
+                        )
+                        nursery.cancel_scope.cancel()
+                        await trio.lowlevel.checkpoint()
+                    if node.ready.is_set() and not nursery.cancel_scope.cancel_called:
+                        if not listeners:
+                            opened, self.bound = await open_listeners(config)
+                            listeners.extend(opened)
+                            outer.start_soon(self._accept, listeners, outer)
+                        served = True
+                        self.kept = None  # serving again: the kept state was resumed or replaced
+                        self.phase = "ready"
+                        log.info("serving clients (incarnation %d)", self.incarnations)
+                        await self.stop.wait()
+                        log.info("stopping member=%s", me)
+                        await node.shutdown_clients(config.shutdown_grace)
+                        nursery.cancel_scope.cancel()
+            finally:
+                unregister()
+                self.conn_counter = node._conn_counter
+                node.close()
+            if node.failure is not None:
+                log.error("leaving the cluster: %s", node.failure)
+                # Our clients must fail over: tell them why, then drop them. The other members
+                # see us leave through CPG and close our clients' shadows at that point.
+                frame = forced_close_frame("member left the cluster: " + node.failure[:150])
+                for lc in list(node.local.values()):
+                    with (
+                        trio.move_on_after(1),
+                        contextlib.suppress(
+                            trio.BrokenResourceError,
+                            trio.ClosedResourceError,
+                            trio.BusyResourceError,
+                        ),
+                    ):
+                        await lc.stream.send_all(frame)
+                    await lc.stream.aclose()
+                raise ClusterError(node.failure)
+            if node.suspended is not None:
+                self.phase = "suspended"
+                self.last_suspension = node.suspended
+                if node.merged_away:
+                    self.kept = None  # the other side served on: its state replaces ours
+                elif node.ready.is_set() and node._ring is not None:
+                    # Offered when rejoining, used only if nobody kept serving meanwhile.
+                    self.kept = (node.broker, node._ring.seq)
+                # Leaving the group (closing the handle, below) is what lets the quorate side
+                # forget this incarnation; its clients get a moment to read connection.close.
+                with trio.move_on_after(SUSPEND_GRACE):
+                    while node.local:
+                        await trio.sleep(0.02)
+                for scope in list(node.client_scopes.values()):
+                    scope.cancel()
+        return served
+
+    async def _accept(self, listeners: list[trio.SocketListener], outer: trio.Nursery) -> None:
+        await trio.serve_listeners(self.handle_client, listeners, handler_nursery=outer)
+
+    bound: list[tuple[str, int]] = []
+
+
+async def refuse(stream: trio.SocketStream, text: str) -> None:
+    """Turn away a client while this member does not serve: read its protocol header, answer
+    connection.close 320 with the reason (clients report it; failover clients move on), close."""
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        with trio.move_on_after(2):
+            await stream.receive_some(8)
+            await stream.send_all(forced_close_frame(text))
+            with trio.move_on_after(0.5):
+                await stream.receive_some(4096)  # its close-ok, or EOF
+    await stream.aclose()
+
+
 async def serve_member(
     config: ServerConfig,
     *,
@@ -740,79 +1161,5 @@ async def serve_member(
     # Keep freed memory in the process: otherwise glibc returns it after every batch of large
     # CPG messages and page-faults it back for the next (measured in docs/performance.md).
     tune_malloc()
-    async with open_cpg(cluster.group, netns=cluster.netns or None) as cpg:
-        me = member_id(cpg.local_nodeid, os.getpid())
-        node = ClusterNode(config, cpg, me)
-        log.info("joined member=%s node=%s pid=%s", me, cpg.local_nodeid, os.getpid())
-        try:
-            async with trio.open_nursery() as nursery:
-
-                async def guarded(fn: Any) -> None:
-                    # A member that cannot stay consistent stops serving at once; the failure
-                    # is reported after the nursery, not as a bare exception group.
-                    try:
-                        await fn()
-                    except (ClusterError, CpgError) as e:
-                        node.failure = str(e)
-                        nursery.cancel_scope.cancel()
-
-                # Where an updater reaches us if we join a cluster that already serves.
-                update_listeners = await open_update_listeners(cluster.update_listen, cluster.url)
-                node.update_address = listener_address(update_listeners[0])
-                nursery.start_soon(trio.serve_listeners, node.update_handler, update_listeners)
-                nursery.start_soon(guarded, node.sender)
-                nursery.start_soon(guarded, node.deliver_loop)
-                nursery.start_soon(guarded, node.catch_up)
-                nursery.start_soon(node.cluster_ticker)
-                nursery.start_soon(node.reap_updaters)
-                if config.admin_listen:
-                    # Before readiness: ``status`` shows a joining member's update progress.
-                    await nursery.start(admin.serve_admin, config.admin_listen, node.status)
-                activity = -1
-                while not node.ready.is_set():
-                    with trio.move_on_after(cluster.ready_timeout):
-                        await node.ready.wait()
-                    if node.ready.is_set() or nursery.cancel_scope.cancel_called:
-                        break
-                    if node.update_activity() != activity:
-                        activity = node.update_activity()  # an update is progressing: wait on
-                        continue
-                    node.failure = (
-                        f"the cluster did not become ready within {cluster.ready_timeout:.0f} s "
-                        f"(expected {cluster.size} members, have "
-                        f"{len(node.membership.members)}, state {node._state_name()})"
-                    )
-                    nursery.cancel_scope.cancel()
-                    await trio.lowlevel.checkpoint()
-                listeners, bound = await open_listeners(config)
-                accept_scope = trio.CancelScope()
-
-                async def accept() -> None:
-                    with accept_scope:
-                        await trio.serve_listeners(node.handle, listeners, handler_nursery=nursery)
-
-                nursery.start_soon(accept)
-                task_status.started(bound)
-                signum = await wait_for_signal()
-                log.info("stopping member=%s signal=%s", me, signum)
-                # Stop accepting before closing the listeners the accept loop waits on.
-                accept_scope.cancel()
-                for lst in listeners:
-                    await lst.aclose()
-                await node.shutdown_clients(config.shutdown_grace)
-                nursery.cancel_scope.cancel()
-            if node.failure is not None:
-                log.error("leaving the cluster: %s", node.failure)
-                # Our clients must fail over: tell them why, then drop them. The other members
-                # see us leave through CPG and close our clients' shadows at that point.
-                frame = forced_close_frame("member left the cluster: " + node.failure[:150])
-                for lc in list(node.local.values()):
-                    with (
-                        trio.move_on_after(1),
-                        contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
-                    ):
-                        await lc.stream.send_all(frame)
-                    await lc.stream.aclose()
-                raise ClusterError(node.failure)
-        finally:
-            node.close()
+    async with open_quorum(netns=cluster.netns or None) as quorum:
+        await MemberProcess(config, quorum).run(task_status=task_status)
