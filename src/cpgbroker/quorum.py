@@ -128,6 +128,11 @@ class QuorumInfo:
     def quorate(self) -> bool:
         return bool(self.flags & lib.VOTEQUORUM_INFO_QUORATE)
 
+    @property
+    def two_node(self) -> bool:
+        """votequorum's two_node mode: a lone node of two stays quorate (it counts on fencing)."""
+        return bool(self.flags & lib.VOTEQUORUM_INFO_TWONODE)
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "quorate": self.quorate,
@@ -242,14 +247,21 @@ class Quorum:
             flags=int(info.flags),
         )
 
+    def take_pending_error(self) -> CsError | None:
+        """An error the last dispatch met after it had returned notifications (reported by the
+        next dispatch otherwise): a caller that waits for the fd to become readable again must
+        not wait for it, the fd may never be."""
+        err, self._pending_error = self._pending_error, None
+        return err
+
     def dispatch(self) -> list[QuorumEvent]:
         """Every notification ready now (CS_DISPATCH_ALL), in order; never blocks.
 
         As with CPG, an error after some notifications were received is raised on the next
         call, after those were returned. A lost corosync raises ``CpgConnectionLost``.
         """
-        if self._pending_error is not None:
-            err, self._pending_error = self._pending_error, None
+        err = self.take_pending_error()
+        if err is not None:
             raise err
         handle = self._live("votequorum_dispatch")
         q = self._queue

@@ -937,7 +937,8 @@ class MemberProcess:
                 "digest": None,
                 "event_seq": None,
                 "members": [],
-                "connections": {"local": 0, "shadow": 0},
+                # A suspended member's clients linger until they read connection.close.
+                "connections": {"local": 0 if node is None else len(node.local), "shadow": 0},
                 "queues": {},
                 "quorum": self.quorum.status(),
             }
@@ -982,6 +983,7 @@ class MemberProcess:
                     outer.cancel_scope.cancel()  # nothing to shut down gracefully
 
             outer.start_soon(on_signal)
+            await self._check_quorum_policy()
             first = True
             while True:
                 if not self.quorum.quorate:
@@ -1008,6 +1010,25 @@ class MemberProcess:
             outer.cancel_scope.cancel()
         for lst in listeners:
             await lst.aclose()
+
+    async def _check_quorum_policy(self) -> None:
+        """Refuse votequorum settings under which two sides of a split both stay quorate."""
+        info = await self.quorum.call(self.quorum.quorum.getinfo)
+        if info.two_node:
+            raise ClusterError(
+                "corosync's votequorum runs in two_node mode: after a split both nodes stay "
+                "quorate (votequorum expects fencing), so both would serve and diverge; run three "
+                "nodes (or two with a quorum device) and set two_node: 0"
+            )
+        if info.expected_votes > self.cluster.size:
+            log.warning(
+                "[cluster] size is %d but corosync expects %d votes: after a split in which "
+                "every member lost quorum, the first %d members back decide whose kept state "
+                "is resumed; set size to the number of nodes",
+                self.cluster.size,
+                info.expected_votes,
+                self.cluster.size,
+            )
 
     async def _incarnation(
         self, outer: trio.Nursery, listeners: list[trio.SocketListener], first: bool
@@ -1072,6 +1093,17 @@ class MemberProcess:
                         if node.update_activity() != activity:
                             activity = node.update_activity()  # an update progresses: wait on
                             continue
+                        if node.kept is not None:
+                            # Leaving would throw away what may be the cluster's only copy of
+                            # its confirmed messages (every member lost quorum): wait for the
+                            # other members to come back instead.
+                            log.warning(
+                                "holding the state kept since quorum was lost: waiting for %d "
+                                "members to rejoin (have %d)",
+                                cluster.size,
+                                len(node.membership.members),
+                            )
+                            continue
                         node.failure = (
                             f"the cluster did not become ready within "
                             f"{cluster.ready_timeout:.0f} s (expected {cluster.size} members, "
@@ -1121,6 +1153,11 @@ class MemberProcess:
                 elif node.ready.is_set() and node._ring is not None:
                     # Offered when rejoining, used only if nobody kept serving meanwhile.
                     self.kept = (node.broker, node._ring.seq)
+                else:
+                    # Suspended before serving: still what it was offered with, unless a
+                    # serving member was seen meanwhile (then that member's state replaces it,
+                    # and offering the old one again could resume stale state).
+                    self.kept = node.kept
                 # Leaving the group (closing the handle, below) is what lets the quorate side
                 # forget this incarnation; its clients get a moment to read connection.close.
                 with trio.move_on_after(SUSPEND_GRACE):

@@ -117,6 +117,12 @@ class TrioQuorum:
                         self._notify_loss("this node lost quorum (its partition has too few votes)")
                 elif type(ev) is ExpectedVotesChange:
                     self.expected_votes = ev.expected_votes
+            pending = q.take_pending_error()
+            if pending is not None:
+                # A notification may have been dropped (it could not be stored): what we know
+                # of quorum can no longer be trusted.
+                self._fail(pending)
+                return
             self._info_wanted.set()
             self._wake()
 
