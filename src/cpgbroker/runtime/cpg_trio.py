@@ -61,6 +61,14 @@ FAST_BURST: Final = 64
 _HUP: Final = select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
+def hung_up(fd: int) -> bool:
+    """Whether a corosync IPC fd that polled readable with nothing to dispatch was hung up:
+    corosync is gone (libcpg and libvotequorum report no error of their own then)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return any(ev & _HUP for _, ev in poller.poll(0))
+
+
 @attrs.define
 class CpgStats:
     """Counters of one adapter, for tests and benchmarks."""
@@ -192,9 +200,7 @@ class TrioCpg:
                 return
             if not batch:
                 # Readable but nothing to dispatch: a hung-up fd means corosync is gone.
-                poller = select.poll()
-                poller.register(fd, select.POLLIN)
-                if any(ev & _HUP for _, ev in poller.poll(0)):
+                if hung_up(fd):
                     self._fail(CpgConnectionLost("cpg_dispatch"))
                     return
                 continue

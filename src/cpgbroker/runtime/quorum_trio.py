@@ -15,7 +15,6 @@ thread bounded by ``call_timeout`` (the handle is abandoned on timeout, as the C
 from __future__ import annotations
 
 import logging
-import select
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Final
@@ -26,11 +25,11 @@ from cpgbroker import errors
 from cpgbroker.cluster.quorum import QuorumView
 from cpgbroker.cpg import CpgConnectionLost, CpgHungError
 from cpgbroker.quorum import ExpectedVotesChange, NodeListChange, Quorum, QuorumChange, QuorumInfo
+from cpgbroker.runtime.cpg_trio import hung_up
 
 log = logging.getLogger("cpgbroker.quorum")
 
 DEFAULT_CALL_TIMEOUT: Final = 10.0
-_HUP: Final = select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
 class TrioQuorum:
@@ -93,9 +92,7 @@ class TrioQuorum:
                 self._fail(e)
                 return
             if not batch:
-                poller = select.poll()
-                poller.register(fd, select.POLLIN)
-                if any(ev & _HUP for _, ev in poller.poll(0)):
+                if hung_up(fd):
                     self._fail(CpgConnectionLost("votequorum_dispatch"))
                     return
                 continue
