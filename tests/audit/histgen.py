@@ -424,6 +424,17 @@ def rejoin(run: Run, node: int = 2, away: tuple[int, int] = (40, 70), *, mark: b
     kept = []
     for r in run.events[node]:
         if lo < r["seq"] <= hi:
+            if kept and kept[-1]["type"] != "suspend":
+                # What a member logs when it stops: the last event it applied.
+                kept.append(
+                    {
+                        "type": "suspend",
+                        "seq": lo,
+                        "reason": "this node lost quorum",
+                        "member": MEMBER[node],
+                        "t_ns": kept[-1]["t_ns"] + 1,
+                    }
+                )
             continue  # not applied, no checkpoint, no verdict
         if r["seq"] > hi and mark:
             r["incarnation"] = 2

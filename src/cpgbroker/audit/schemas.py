@@ -39,8 +39,9 @@ EVENT_SCHEMA = T.StructType(
     ]
 )
 # Records that are not an event applied to the model: a hello is logged with the sequence
-# number of the event before it, checkpoints and verdicts are about the stream, not in it.
-NOT_APPLIED = ("hello", "checkpoint", "verdict")
+# number of the event before it, checkpoints and verdicts are about the stream, not in it, and
+# a suspend (quorum lost) carries the last event the member applied before it stopped.
+NOT_APPLIED = ("hello", "checkpoint", "verdict", "suspend")
 
 # -- client operation histories (written by cpgbroker.history.HistoryRecorder)
 HISTORY_SCHEMA = T.StructType(
@@ -90,12 +91,12 @@ def _present(c: Field, *names: str) -> Column:
 
 def event_valid(c: Field = F.col) -> Column:
     """Every record has type, seq, t_ns and member; applied events a sender; checkpoints a
-    digest; verdicts their result."""
+    digest; verdicts their result (hellos and suspends nothing more)."""
     t = c("type")
     return _present(c, "type", "seq", "t_ns", "member") & (
         F.when(t == "checkpoint", _present(c, "digest"))
         .when(t == "verdict", _present(c, "agreed"))
-        .when(t == "hello", F.lit(True))
+        .when(t.isin("hello", "suspend"), F.lit(True))
         .otherwise(_present(c, "sender"))
     )
 
