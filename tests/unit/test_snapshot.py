@@ -21,8 +21,9 @@ from modelclient import Harness
 from workload import generate
 
 ENTITIES = (Channel, Connection, Consumer, Entry, Message, Queue, Exchange, Binding, VHost)
-# Broker attributes that are configuration (equal by construction) or transient between events.
-BROKER_LOCAL = {"config", "users", "_effects", "_dirty"}
+# Broker attributes that are configuration (equal by construction), transient between events,
+# or replica-local statistics.
+BROKER_LOCAL = {"config", "users", "_effects", "_dirty", "shadow_confirms"}
 
 
 def _fields(obj: Any) -> list[str]:

@@ -153,6 +153,11 @@ class Broker:
         self._expiring: dict[tuple[str, str], Queue] = {}
         self._effects: list[Effect] = []
         self._dirty: list[Connection] = []
+        # Publisher confirms and tx.commit-oks produced so far for shadow connections (their
+        # bytes are not even encoded): a member thereby knows, without being told, that an
+        # event gave another member's client a confirm that waits for this member's progress
+        # report (runtime/member.py). Not replicated: only its changes matter.
+        self.shadow_confirms = 0
 
     # ------------------------------------------------------------------ entry point
 
@@ -245,7 +250,8 @@ class Broker:
         if conn.outbuf:
             data = conn.outbuf[0] if len(conn.outbuf) == 1 else b"".join(conn.outbuf)
             conn.outbuf.clear()
-            self._effects.append(Send(conn.id, data))
+            self._effects.append(Send(conn.id, data, conn.confirm_out))
+            conn.confirm_out = False
 
     def _flush(self) -> list[Effect]:
         for conn in self._dirty:
@@ -1363,6 +1369,7 @@ class Broker:
             if refused:
                 self._flush_channel_confirms(ch, upto=ch.publish_seq - 1)
                 self._emit(conn, fp.encode_nack(ch.id, ch.publish_seq, False))
+                self._confirmed(conn)
                 ch.confirm_sent = ch.publish_seq
             else:
                 ch.confirm_pending = ch.publish_seq
@@ -1400,7 +1407,15 @@ class Broker:
             return
         multiple = target - ch.confirm_sent > 1
         self._emit(ch.conn, fp.encode_ack(ch.id, target, multiple))
+        self._confirmed(ch.conn)
         ch.confirm_sent = target
+
+    def _confirmed(self, conn: Connection) -> None:
+        """A confirm or tx.commit-ok was just emitted for ``conn``."""
+        if conn.emit:
+            conn.confirm_out = True
+        else:
+            self.shadow_confirms += 1
 
     def _route(
         self, vh: VHost, ex: Exchange, rk: str, msg: Message, seen: list[Exchange] | None = None
@@ -1713,6 +1728,7 @@ class Broker:
             else:
                 self._settle(ch, op[1], op[2], op[3], 120)
         self._send_method(conn, ch.id, commands.Tx.CommitOk())
+        self._confirmed(conn)
         if self.queued_bytes > self.config.high_watermark_bytes and not self.blocked:
             self._set_blocked(True)
 

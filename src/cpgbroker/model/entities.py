@@ -212,3 +212,5 @@ class Connection:
     emit: bool = True
     outbuf: list[bytes] = attrs.Factory(list)
     confirm_dirty: list[Channel] = attrs.Factory(list)
+    # ``outbuf`` holds a confirm or tx.commit-ok (the flushed Send says so). Transient like it.
+    confirm_out: bool = False

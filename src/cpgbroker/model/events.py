@@ -96,10 +96,16 @@ Event = (
 
 @attrs.frozen
 class Send:
-    """Write ``data`` to the client of ``conn``."""
+    """Write ``data`` to the client of ``conn``.
+
+    ``confirm``: the bytes carry a publisher confirm (basic.ack/nack) or tx.commit-ok. A
+    cluster member writes such output only once the event is stable (applied by a majority of
+    members), so a confirm never reaches a client for an event the quorate side may lack.
+    """
 
     conn: int
     data: bytes
+    confirm: bool = False
 
 
 @attrs.frozen

@@ -8,7 +8,8 @@ digest is the SHA-256 of those bytes, so two replicas have equal digests exactly
 replicated state is equal.
 
 What is *not* in a snapshot: whether a connection is this replica's own (``emit``), output not
-yet flushed (always empty between events), and caches derived from other state (topic routes).
+yet flushed (always empty between events), caches derived from other state (topic routes), and
+the broker's ``shadow_confirms`` count (a replica-local statistic: only its changes matter).
 Every other field is: the Qpid cluster's bug history is mostly "this field was not transferred",
 so ``tests/unit/test_snapshot.py`` checks that every attribute of every entity is either
 snapshotted or listed here as derived.
@@ -37,7 +38,7 @@ SNAPSHOT_FORMAT = 1
 
 # Attributes deliberately left out of snapshots (see module docstring).
 NOT_REPLICATED = {
-    "Connection": {"emit", "outbuf", "confirm_dirty"},
+    "Connection": {"emit", "outbuf", "confirm_dirty", "confirm_out"},
     "Exchange": {"cache", "by_key"},
 }
 

@@ -18,6 +18,7 @@ import logging
 import os
 import time
 import urllib.parse
+from collections.abc import Iterable
 from typing import IO, Any
 
 import attrs
@@ -62,11 +63,17 @@ from cpgbroker.cpg import (
 from cpgbroker.errors import ClusterError, CpgError
 from cpgbroker.model import snapshot
 from cpgbroker.model.broker import Broker
-from cpgbroker.model.events import ClientConnected, ClientData, Event, MemberLeft, Tick
+from cpgbroker.model.events import ClientConnected, ClientData, Event, MemberLeft, Send, Tick
 from cpgbroker.runtime import admin, update
 from cpgbroker.runtime.cpg_trio import TrioCpg, open_cpg
 from cpgbroker.runtime.quorum_trio import TrioQuorum, open_quorum
-from cpgbroker.runtime.server import Node, forced_close_frame, open_listeners, wait_for_signal
+from cpgbroker.runtime.server import (
+    LocalConn,
+    Node,
+    forced_close_frame,
+    open_listeners,
+    wait_for_signal,
+)
 
 log = logging.getLogger("cpgbroker.member")
 
@@ -81,6 +88,11 @@ CHECKPOINT_EVERY = 10_000
 # Without this, corosync buffers for a slow member without limit (and never gives the memory
 # back).
 PROGRESS_EVERY = 1_000
+# Confirms wait for a majority's progress reports (stable confirms, docs/architecture.md). A
+# report rides on the member's next client batch when it has one; otherwise it is a message of
+# its own, at most one per this interval: under load that bounds the extra CPG messages per
+# member, and it adds at most this much to a confirm's wait.
+REPORT_INTERVAL = 0.001
 # How long a held ring change may wait for its TotemConfChg and for votequorum's verdict on the
 # new ring. Both come from the same corosync synchronisation and arrive within milliseconds;
 # past this something is wrong, and the member stops serving rather than guess.
@@ -119,6 +131,13 @@ def config_digest(config: ServerConfig) -> bytes:
 
 
 class ClusterNode(Node):
+    # A confirm (or tx.commit-ok) reaches the client only once its event is stable: applied by
+    # a majority of the ready members. An event can be delivered on this member's side of a
+    # partition only (the old ring's transitional configuration), before the split is
+    # reported; a majority that applied it includes a member of any quorate side, so the
+    # message the confirm vouches for survives. See docs/architecture.md, "Stable confirms".
+    gate_confirms = True
+
     def __init__(
         self,
         config: ServerConfig,
@@ -178,6 +197,16 @@ class ClusterNode(Node):
         self.delivered_events = 0
         # Latest applied sequence each other member reported (cluster flow control).
         self.peer_progress: dict[int, int] = {}
+        # The same, but only what members reported themselves (``peer_progress`` also holds
+        # estimates, e.g. at readiness): stability counts facts only.
+        self._applied: dict[int, int] = {}
+        # Local connections with output held until its event is stable.
+        self._holding: dict[int, LocalConn] = {}
+        # The model's count of other members' clients' confirms when we last asked to report.
+        self._confirms_seen = 0
+        # A progress report is due (confirms wait for it); when the last one went out alone.
+        self._report_wanted = False
+        self._reported_at = 0.0
         self._progress_changed = trio.Event()
         self.lag_waits = 0
         # Members that came back from the other side of a partition: ignored until they leave.
@@ -239,6 +268,17 @@ class ClusterNode(Node):
             if self._ctl:
                 await self._flush_control()
             if not self._out:
+                if self._report_wanted:
+                    # No client batch to ride on: a message of its own, at most one per
+                    # REPORT_INTERVAL (a newer report replaces a waiting one).
+                    wait = self._reported_at + REPORT_INTERVAL - time.monotonic()
+                    if wait > 0:
+                        self._send_wake = trio.Event()
+                        with trio.move_on_after(wait):
+                            await self._send_wake.wait()
+                        continue
+                    self._ctl.append(self._take_report())
+                    continue
                 if not self._ctl:
                     self._send_wake = trio.Event()
                     await self._send_wake.wait()
@@ -256,7 +296,9 @@ class ClusterNode(Node):
             batch = out[:take]
             del out[:take]
             self._out_bytes -= size - 2
-            if take < MAX_IOVEC:  # the binding gathers up to MAX_IOVEC buffers; header + batch
+            if self._report_wanted:
+                batch.append(self._take_report())  # rides along: no message of its own
+            if len(batch) < MAX_IOVEC:  # the binding gathers up to MAX_IOVEC buffers
                 await self.cpg.send(codec.HEADER, *batch)  # gathered by the kernel, no copy
             else:
                 await self.cpg.send(codec.HEADER + b"".join(batch))
@@ -277,6 +319,8 @@ class ClusterNode(Node):
         self.lag_waits += 1
         log.warning("holding back client traffic: a member is %d events behind", self.lag())
         while self.lag() > self.max_lag:
+            if self._report_wanted:
+                self._ctl.append(self._take_report())
             await self._flush_control()  # our own reports must get out, or nobody moves
             self._progress_changed = trio.Event()
             with trio.move_on_after(0.05):
@@ -328,11 +372,85 @@ class ClusterNode(Node):
                         if ring is None:
                             held = batch[i:]
                             break
-                        if ring != self._ring and not await self._await_verdict(ring):
-                            return
+                        if ring != self._ring:
+                            # All of the ring change is in hand. A member frozen past the
+                            # token sees the others leave and come back in one change: if it
+                            # lost the merge, it must not apply their departure (requeue their
+                            # messages, hand them to its own consumers) first.
+                            others = self._merge_lost(batch, i)
+                            if others is not None:
+                                self._lose_merge(others)
+                                return
+                            if not await self._await_verdict(ring):
+                                return
                     self._on_event(ev, None)
                 if self.suspended is not None:
                     return
+            # Once per delivered batch, not per event: a confirm for another member's client
+            # waits for a majority's reports, so report now rather than PROGRESS_EVERY
+            # events later (our own clients' confirms need no report from us); and release
+            # what the reports received made stable.
+            if self.broker.shadow_confirms != self._confirms_seen:
+                self._report_for_confirms()
+            if self._holding:
+                self._release_stable()
+
+    # ------------------------------------------------------------------ stable confirms
+
+    def hold(self, lc: LocalConn, eff: Send) -> None:
+        """Output that must wait: a confirm until its event is stable, anything else (for the
+        same connection) until the output before it is out."""
+        lc.held.append((self.broker.event_seq if eff.confirm else 0, eff.data, ""))
+        self._holding[lc.id] = lc
+
+    def stable_seq(self) -> int:
+        """The highest event sequence a majority of the ready members (this one included)
+        are known to have applied."""
+        ready = self.membership.ready_members
+        if not ready:
+            return 0
+        seq = self.broker.event_seq
+        seqs = sorted(seq if m == self.member else self._applied.get(m, 0) for m in ready)
+        return seqs[(len(seqs) - 1) // 2]
+
+    def _report_for_confirms(self) -> None:
+        self._confirms_seen = self.broker.shadow_confirms
+        if self.suspended is None and self.membership.state == READY:
+            self._report_wanted = True
+            self._send_wake.set()
+
+    def _take_report(self) -> bytes:
+        """Our progress as of now (at least the events that asked for it), for the sender."""
+        self._report_wanted = False
+        self._reported_at = time.monotonic()
+        return codec.encode(Progress(self.member, self.broker.event_seq))
+
+    def _release_stable(self) -> None:
+        stable = self.stable_seq()
+        for cid, lc in list(self._holding.items()):
+            if self.local.get(cid) is not lc:
+                del self._holding[cid]  # the client is gone (its fd may be reused: no write)
+                continue
+            held = lc.held
+            n = 0
+            for seq, _data, _reason in held:
+                if seq > stable:
+                    break
+                n += 1
+            if not n:
+                continue
+            ready = held[:n]
+            del held[:n]
+            for _seq, data, reason in ready:
+                if data is not None:
+                    self.write(lc, data)
+                else:
+                    lc.closing = True
+                    lc.close_reason = reason
+                    lc.wake.set()
+            if not held:
+                del self._holding[cid]
+                lc.wake.set()  # a do-output grant waits for held output to be written
 
     async def _await_verdict(self, ring: RingId) -> bool:
         """Wait for votequorum's verdict on ``ring``; True if quorate, else stop serving."""
@@ -372,8 +490,13 @@ class ClusterNode(Node):
             return
         self.suspended = reason
         log.error("stopping client service: %s", reason)
+        self._write_log({"type": "suspend", "seq": self.broker.event_seq, "reason": reason})
         frame = forced_close_frame(NOT_QUORATE_TEXT)
+        # Output waiting to be stable never goes out: its events may be missing on the quorate
+        # side, so its confirms are not owed (the publisher treats those messages as unknown).
+        self._holding.clear()
         for lc in self.local.values():
+            lc.held.clear()
             if not lc.closing:
                 lc.out += frame
             lc.closing = True
@@ -427,6 +550,7 @@ class ClusterNode(Node):
             return
         if t is Progress:
             self.peer_progress[e.member] = e.seq
+            self._applied[e.member] = e.seq
             self._progress_changed.set()
             return
         if t is Checkpoint:
@@ -472,14 +596,45 @@ class ClusterNode(Node):
             if self._event_log is not None:
                 self._write_log({"type": "checkpoint", "seq": seq, "digest": digest.hex()})
 
+    @staticmethod
+    def _merge_verdict(ev: PartitionMerge, members: Iterable[int]) -> tuple[bool, list[int]]:
+        """Whether this side (``members`` at the merge) wins the merge, and the other side."""
+        others = [member_id(m.nodeid, m.pid) for m in (*ev.rejoined, *ev.merged)]
+        mine = [m for m in members if m not in others]
+        wins = (len(mine), -min(mine, default=1 << 62)) > (
+            len(others),
+            -min(others, default=1 << 62),
+        )
+        return wins, others
+
+    def _merge_lost(self, batch: list[CpgEvent], start: int) -> list[int] | None:
+        """Scan one ring change (``batch[start:]`` up to its TotemConfChg) for a partition
+        merge this member loses; the other side's members if so. Members are followed through
+        the change's ConfChgs as ``_on_confchg`` would, without applying anything."""
+        members = list(self.membership.members)
+        for x in batch[start:]:
+            t = type(x)
+            if t is TotemConfChg:
+                break
+            if t is ConfChg:
+                members = [
+                    m
+                    for m in (member_id(c.nodeid, c.pid) for c in x.members)  # type: ignore[union-attr]
+                    if m not in self.shunned
+                ]
+            elif t is PartitionMerge:
+                wins, others = self._merge_verdict(x, members)  # type: ignore[arg-type]
+                if not wins:
+                    return others
+        return None
+
     def _on_partition_merge(self, ev: PartitionMerge) -> None:
         """Two sides of a partition merged: neither saw what the other applied meanwhile.
         The side with more members keeps serving (on a tie, the side holding the lowest member
         id); the other side's members leave, and until they are gone nothing they send is
         applied. Both sides reach the same verdict: each knows both sides' members."""
-        others = [member_id(m.nodeid, m.pid) for m in (*ev.rejoined, *ev.merged)]
-        mine = [m for m in self.membership.members if m not in others]
-        if (len(mine), -min(mine, default=1 << 62)) > (len(others), -min(others, default=1 << 62)):
+        wins, others = self._merge_verdict(ev, self.membership.members)
+        if wins:
             log.error(
                 "partition healed: members %s come back from another partition with diverged "
                 "state; ignoring them until they leave",
@@ -489,6 +644,9 @@ class ClusterNode(Node):
             for m in others:
                 self.membership.members.pop(m, None)
             return
+        self._lose_merge(others)
+
+    def _lose_merge(self, others: list[int]) -> None:
         reason = (
             "this member was partitioned from the cluster and merged back on the smaller side: "
             "it missed events the others applied, so its state cannot be trusted"
@@ -511,6 +669,7 @@ class ClusterNode(Node):
         self.shunned.difference_update(left)
         for gone in left:
             self.peer_progress.pop(gone, None)
+            self._applied.pop(gone, None)
         for m in ev.left:
             log.warning(
                 "member left member=%s node=%s pid=%s reason=%s",

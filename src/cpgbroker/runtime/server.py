@@ -70,6 +70,7 @@ class LocalConn:
         "credit",
         "credit_back",
         "fd",
+        "held",
         "id",
         "inflight",
         "model_closed",
@@ -107,10 +108,17 @@ class LocalConn:
         self.fd = stream.socket.fileno()
         # The writer task is inside send_all: only it may write until it is done.
         self.sending = False
+        # Output waiting, in order, for its event to become stable (cluster members only):
+        # (seq it waits for or 0, bytes, or None and a close reason for a held close).
+        self.held: list[tuple[int, bytes | None, str]] = []
 
 
 class Node:
     """Owns the broker model and executes its effects for this process's connections."""
+
+    # Whether confirms wait in ``hold`` (a cluster member) or go out at once (standalone:
+    # an applied event is final).
+    gate_confirms = False
 
     def __init__(self, config: ServerConfig, member: int = 0) -> None:
         self.config = config
@@ -142,6 +150,9 @@ class Node:
                 continue  # a shadow connection: its owner writes its output
             t = type(eff)
             if t is Send:
+                if lc.held or (eff.confirm and self.gate_confirms):  # type: ignore[union-attr]
+                    self.hold(lc, eff)  # type: ignore[arg-type]
+                    continue
                 data = eff.data  # type: ignore[union-attr]
                 if not lc.out and not lc.sending and not lc.closing:
                     # Write now rather than one scheduling round later: the socket is
@@ -162,8 +173,12 @@ class Node:
                 lc.want_output = True
                 lc.wake.set()
             elif t is CloseConnection:
-                lc.closing = True
                 lc.model_closed = True
+                if lc.held:
+                    # After the held output, like every close: whole frames, in order.
+                    lc.held.append((0, None, eff.reason))  # type: ignore[union-attr]
+                    continue
+                lc.closing = True
                 lc.close_reason = eff.reason  # type: ignore[union-attr]
                 lc.wake.set()
             elif t is Throttle:
@@ -171,6 +186,25 @@ class Node:
                 if not lc.paused:
                     lc.resume.set()
                     lc.resume = trio.Event()
+
+    def hold(self, lc: LocalConn, eff: Send) -> None:
+        """Output that waits for its event to be stable (see ``gate_confirms``)."""
+        self.write(lc, eff.data)
+
+    def write(self, lc: LocalConn, data: bytes) -> None:
+        """Write now if the socket takes it, else leave it to the writer task (what
+        ``execute`` does inline for speed)."""
+        if not lc.out and not lc.sending and not lc.closing:
+            try:
+                n = os.write(lc.fd, data)
+            except OSError:
+                n = 0  # would block, or an error the writer task meets and acts on
+            lc.written += n
+            if n == len(data):
+                return
+            data = data[n:]
+        lc.out += data
+        lc.wake.set()
 
     def now_ms(self) -> int:
         # Cluster time is wall-clock milliseconds (x-death carries it as a timestamp), made
@@ -255,7 +289,9 @@ class Node:
                     finally:
                         lc.sending = False
                     continue
-                if lc.want_output and not lc.closing:
+                if lc.want_output and not lc.closing and not lc.held:
+                    # (With output held, the client has not read what it was given: no
+                    # more credit until it can.)
                     # The socket took everything queued, so the client keeps up: grow the grant,
                     # but keep the bytes one grant can produce near GRANT_BYTES.
                     per_delivery = max(lc.written // max(lc.credit, 1), 1)
