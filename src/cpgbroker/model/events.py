@@ -99,8 +99,8 @@ class Send:
     """Write ``data`` to the client of ``conn``.
 
     ``confirm``: the bytes carry a publisher confirm (basic.ack/nack) or tx.commit-ok. A
-    cluster member writes such output only once the event is stable (applied by a majority of
-    members), so a confirm never reaches a client for an event the quorate side may lack.
+    cluster member writes such output only once the event is stable (applied by every ready
+    member), so a confirm never reaches a client for an event a surviving member may lack.
     """
 
     conn: int

@@ -88,7 +88,8 @@ CHECKPOINT_EVERY = 10_000
 # Without this, corosync buffers for a slow member without limit (and never gives the memory
 # back).
 PROGRESS_EVERY = 1_000
-# Confirms wait for a majority's progress reports (stable confirms, docs/architecture.md). A
+# Confirms wait for every ready member's progress report (stable confirms,
+# docs/architecture.md). A
 # report rides on the member's next client batch when it has one; otherwise it is a message of
 # its own, at most one per this interval: under load that bounds the extra CPG messages per
 # member, and it adds at most this much to a confirm's wait.
@@ -132,10 +133,11 @@ def config_digest(config: ServerConfig) -> bytes:
 
 class ClusterNode(Node):
     # A confirm (or tx.commit-ok) reaches the client only once its event is stable: applied by
-    # a majority of the ready members. An event can be delivered on this member's side of a
-    # partition only (the old ring's transitional configuration), before the split is
-    # reported; a majority that applied it includes a member of any quorate side, so the
-    # message the confirm vouches for survives. See docs/architecture.md, "Stable confirms".
+    # every ready member. An event can be delivered on this member's side of a partition only
+    # (the old ring's transitional configuration), before the split is reported, and under
+    # AGREED ordering a member crashing may take with it an event the others never received:
+    # once every member applied it, the message the confirm vouches for survives a partition
+    # and the failure of all members but one. See docs/architecture.md, "Stable confirms".
     gate_confirms = True
 
     def __init__(
@@ -387,7 +389,7 @@ class ClusterNode(Node):
                 if self.suspended is not None:
                     return
             # Once per delivered batch, not per event: a confirm for another member's client
-            # waits for a majority's reports, so report now rather than PROGRESS_EVERY
+            # waits for every member's report, so report now rather than PROGRESS_EVERY
             # events later (our own clients' confirms need no report from us); and release
             # what the reports received made stable.
             if self.broker.shadow_confirms != self._confirms_seen:
@@ -404,14 +406,15 @@ class ClusterNode(Node):
         self._holding[lc.id] = lc
 
     def stable_seq(self) -> int:
-        """The highest event sequence a majority of the ready members (this one included)
-        are known to have applied."""
+        """The highest event sequence every ready member (this one included) is known to
+        have applied. Every, not a majority: a majority survives partitions, but with AGREED
+        delivery two crashed members of three may have applied an event the third never
+        received, and a confirm promises survival of all members but one."""
         ready = self.membership.ready_members
         if not ready:
             return 0
         seq = self.broker.event_seq
-        seqs = sorted(seq if m == self.member else self._applied.get(m, 0) for m in ready)
-        return seqs[(len(seqs) - 1) // 2]
+        return min(seq if m == self.member else self._applied.get(m, 0) for m in ready)
 
     def _report_for_confirms(self) -> None:
         self._confirms_seen = self.broker.shadow_confirms
