@@ -209,7 +209,7 @@ def replica_consistency(
     }
     if not checkpoints and not verdicts:
         summary["status"] = "skipped"
-        summary["reason"] = "the event logs hold no digest checkpoint (the run was too short)"
+        summary["reason"] = "the event logs hold no digest checkpoint: the run was too short"
     if not (divergent or verdicts):
         return summary, None
     firsts = [x for x in (s["first"], v["first"]) if x is not None]
