@@ -14,50 +14,13 @@ import trio
 from pamqp import commands, frame
 
 from cpgbroker.config import ClusterConfig, ServerConfig
-from cpgbroker.cpg import ConfChg, Deliver, Member, MemberChange, Reason
+from cpgbroker.cpg import ConfChg, Member, MemberChange, Reason
 from cpgbroker.model.events import ClientConnected, ClientData, Send
 from cpgbroker.runtime.member import ClusterNode, member_id
 from cpgbroker.runtime.server import LocalConn
 from cpgbroker.wire.framer import PROTOCOL_HEADER
+from fakecpg import Bus, FakeCpg
 from modelclient import Harness
-
-
-class Bus:
-    def __init__(self) -> None:
-        self.subs: list[FakeCpg] = []
-
-    def post(self, ev: Any) -> None:
-        for s in self.subs:
-            s.q.append(ev)
-            s.wake.set()
-
-
-class FakeCpg:
-    """Total order for free; ``paused`` holds back delivery to this member (it still sends)."""
-
-    def __init__(self, bus: Bus, nodeid: int) -> None:
-        self.bus, self.local_nodeid = bus, nodeid
-        self.q: list[Any] = []
-        self.wake = trio.Event()
-        self.in_flight = 0
-        self.paused = False
-        bus.subs.append(self)
-
-    async def send(self, *bufs: bytes) -> None:
-        self.bus.post(Deliver(b"g", self.local_nodeid, 1000, b"".join(bufs)))
-        await trio.lowlevel.checkpoint()
-
-    async def receive_batch(self) -> list[Any]:
-        while not self.q or self.paused:
-            self.wake = trio.Event()
-            await self.wake.wait()
-        out, self.q = self.q, []
-        return out
-
-    def resume(self) -> None:
-        self.paused = False
-        self.wake.set()
-
 
 SOCKETS: list[socket.socket] = []
 

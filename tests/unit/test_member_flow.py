@@ -4,49 +4,16 @@ the lag (it once did, and a burst of small client reads stalled the whole cluste
 
 from __future__ import annotations
 
-from typing import Any
-
 import trio
 
 from cpgbroker.config import ClusterConfig, ServerConfig
-from cpgbroker.cpg import ConfChg, Deliver, Member, MemberChange, Reason
+from cpgbroker.cpg import ConfChg, Member, MemberChange, Reason
 from cpgbroker.model.events import ClientConnected, ClientData
 from cpgbroker.runtime.member import ClusterNode, member_id
 from cpgbroker.wire.framer import PROTOCOL_HEADER
+from fakecpg import Bus, FakeCpg
 
 HEARTBEAT = b"\x08\x00\x00\x00\x00\x00\x00\xce"
-
-
-class Bus:
-    def __init__(self) -> None:
-        self.subs: list[FakeCpg] = []
-
-    def post(self, ev: Any) -> None:
-        for s in self.subs:
-            s.q.append(ev)
-            s.wake.set()
-
-
-class FakeCpg:
-    """Total order for free: every send is appended to every member's queue at once."""
-
-    def __init__(self, bus: Bus, nodeid: int) -> None:
-        self.bus, self.local_nodeid = bus, nodeid
-        self.q: list[Any] = []
-        self.wake = trio.Event()
-        self.in_flight = 0
-        bus.subs.append(self)
-
-    async def send(self, *bufs: bytes) -> None:
-        self.bus.post(Deliver(b"g", self.local_nodeid, 1000, b"".join(bufs)))
-        await trio.lowlevel.checkpoint()
-
-    async def receive_batch(self) -> list[Any]:
-        while not self.q:
-            self.wake = trio.Event()
-            await self.wake.wait()
-        out, self.q = self.q, []
-        return out
 
 
 async def test_a_burst_past_max_lag_does_not_stall_the_cluster() -> None:
