@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Any
 
 import pika
 
@@ -26,6 +27,17 @@ def drain(conn: pika.BlockingConnection, until, timeout: float = 15.0) -> None:
     while not until():
         assert time.monotonic() < deadline, "timed out waiting for deliveries"
         conn.process_data_events(0.05)
+
+
+def wait_state(bs: BrokerSet, node: int, pred: Any, timeout: float = 30.0) -> dict[str, Any]:
+    """Poll a member's status until ``pred(status)`` holds; the status then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = bs.status(node)
+        if s is not None and pred(s):
+            return s
+        assert time.monotonic() < deadline, f"node {node} never reached the state: {s}"
+        time.sleep(0.02)
 
 
 def queues(bs: BrokerSet, node: int) -> dict:

@@ -11,7 +11,7 @@ from typing import Any
 import pika
 import pika.exceptions
 import pytest
-from brokerclients import connect, drain, queues
+from brokerclients import connect, drain, queues, wait_state
 
 from cpgbroker.devbrokers import BrokerSet
 from cpgbroker.devcluster import DevCluster
@@ -22,16 +22,6 @@ pytestmark = pytest.mark.integration
 # (1.2 x token), about 2.2 s. The margin covers a 2-core machine shared with other work.
 TOKEN_S = 1.0
 STOP_WITHIN = TOKEN_S * 2.2 + 3.0
-
-
-def wait_status(bs: BrokerSet, node: int, pred: Any, timeout: float) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = bs.status(node)
-        if s is not None and pred(s):
-            return s
-        assert time.monotonic() < deadline, f"node {node} never reached the state: {s}"
-        time.sleep(0.05)
 
 
 def not_serving(s: dict[str, Any]) -> bool:
@@ -79,7 +69,7 @@ def test_partitioned_member_stops_serving_and_rejoins_through_an_update(
 
     t0 = time.monotonic()
     cluster.partition(3)
-    s3 = wait_status(brokers, 3, not_serving, STOP_WITHIN)
+    s3 = wait_state(brokers, 3, not_serving, STOP_WITHIN)
     stopped_after = time.monotonic() - t0
     # Its client was told why (320) and can neither publish nor consume there.
     with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as closed:
@@ -89,11 +79,11 @@ def test_partitioned_member_stops_serving_and_rejoins_through_an_update(
             ch3.basic_publish("", "minority", b"lost?")
     assert closed.value.reply_code == 320
     assert "not in a quorate partition" in closed.value.reply_text
-    wait_status(brokers, 3, lambda s: s["connections"]["local"] == 0, 5)
+    wait_state(brokers, 3, lambda s: s["connections"]["local"] == 0, 5)
     assert_refused(brokers, 3)
 
     # The quorate side serves on; it closed the consumer of the member it lost.
-    wait_status(brokers, 1, lambda s: len(s["members"]) == 2, STOP_WITHIN)
+    wait_state(brokers, 1, lambda s: len(s["members"]) == 2, STOP_WITHIN)
     assert queues(brokers, 1)["/:minority"]["consumers"] == 0
     assert_serves(brokers, 1, 2, "during", 20)
     ch1 = connect(brokers, 1).channel()
@@ -105,7 +95,7 @@ def test_partitioned_member_stops_serving_and_rejoins_through_an_update(
 
     cluster.heal(3)
     t1 = time.monotonic()
-    s3 = wait_status(brokers, 3, lambda s: s["state"] == "ready", 60)
+    s3 = wait_state(brokers, 3, lambda s: s["state"] == "ready", 60)
     rejoined_after = time.monotonic() - t1
     # At least one rejoin (a spurious ring re-formation under load may add another).
     assert s3["incarnations"] >= 2 and s3["quorum"]["quorate"]
@@ -135,7 +125,7 @@ def test_three_way_partition_nobody_serves_then_the_cluster_serves_again(
     for n in (1, 2, 3):
         cluster.partition(n)
     for n in (1, 2, 3):
-        wait_status(brokers, n, not_serving, STOP_WITHIN + 2)
+        wait_state(brokers, n, not_serving, STOP_WITHIN + 2)
     for n in (1, 2, 3):
         assert_refused(brokers, n)
     with pytest.raises(pika.exceptions.AMQPError):
@@ -143,7 +133,7 @@ def test_three_way_partition_nobody_serves_then_the_cluster_serves_again(
     for n in (1, 2, 3):
         cluster.heal(n)
     for n in (1, 2, 3):
-        wait_status(brokers, n, lambda s: s["state"] == "ready", 60)
+        wait_state(brokers, n, lambda s: s["state"] == "ready", 60)
     brokers.converged([1, 2, 3], timeout=30)
     # Nobody was quorate meanwhile, so nobody moved on: what the cluster confirmed before the
     # split is still there.

@@ -13,10 +13,10 @@ import time
 import urllib.parse
 
 import pytest
-from brokerclients import connect, drain, queues
+from brokerclients import connect, drain, queues, wait_state
 from pamqp import body as pbody
 from pamqp import commands, frame, header
-from test_quorum import STOP_WITHIN, not_serving, wait_status
+from test_quorum import STOP_WITHIN, not_serving
 
 from cpgbroker.devbrokers import BrokerSet
 from cpgbroker.devcluster import DevCluster
@@ -142,7 +142,7 @@ def test_every_confirm_from_a_member_cut_off_is_on_the_majority(
         assert time.monotonic() < deadline and pub.is_alive(), (pub.error, pub.sent)
         time.sleep(0.02)
     cluster.partition(3)
-    wait_status(brokers, 3, not_serving, STOP_WITHIN)
+    wait_state(brokers, 3, not_serving, STOP_WITHIN)
     pub.join(10)
     pub.stop.set()
     pub.join(5)
@@ -150,7 +150,7 @@ def test_every_confirm_from_a_member_cut_off_is_on_the_majority(
     assert confirmed, "the publisher saw no confirm"
     assert pub.close_code in (320, None), pub.close_code
     cluster.heal(3)
-    wait_status(brokers, 3, lambda s: s["state"] == "ready", 60)
+    wait_state(brokers, 3, lambda s: s["state"] == "ready", 60)
     brokers.converged([1, 2, 3], timeout=30)
 
     # Everything the quorate side holds, read on a member of it.

@@ -17,7 +17,7 @@ from typing import Any
 import pika
 import pika.exceptions
 import pytest
-from brokerclients import OPEN, connect, drain, queues
+from brokerclients import OPEN, connect, drain, queues, wait_state
 
 from cpgbroker.devbrokers import BrokerSet
 from cpgbroker.devcluster import DevCluster
@@ -48,16 +48,6 @@ def late(brokers: BrokerSet) -> Iterator[BrokerSet]:
     finally:
         extra.stop_all()
         print(f"--- late member log\n{extra.tail(1, 60)}")
-
-
-def wait_state(bs: BrokerSet, node: int, pred: Any, timeout: float = 30.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = bs.status(node)
-        if s is not None and pred(s):
-            return s
-        assert time.monotonic() < deadline, f"node {node} never reached the state: {s}"
-        time.sleep(0.02)
 
 
 def get_all(ch: Any, queue: str) -> list[tuple[bytes, Any, bool]]:
