@@ -14,7 +14,10 @@ BASE=${DEMO_BASE_PORT:-5701}
 CPGB=.venv/bin/cpgbroker
 $CPGB devcluster down --prefix "$PREFIX" >/dev/null 2>&1 || true
 trap '$CPGB devcluster down --prefix "$PREFIX"' EXIT
-$CPGB devcluster up --nodes 3 --with-brokers --prefix "$PREFIX" --base-port "$BASE"
+# Digest checkpoints every 500 events (not 10,000): this short run then gets its replicas
+# compared by the audit at the end.
+$CPGB devcluster up --nodes 3 --with-brokers --prefix "$PREFIX" --base-port "$BASE" \
+  --checkpoint-every 500
 echo
 echo "== traffic: publisher on member 1, consumers on members 2 and 3; node 2 dies after 5 s"
 HISTORY=$(mktemp -d -t demo-history-XXXXXX)

@@ -35,6 +35,11 @@ class ClusterConfig:
     # Cap on the bandwidth one state transfer uses (MiB/s; 0 = unlimited), so that feeding a
     # newcomer never starves client traffic on a shared network.
     update_rate_limit: float = 0.0
+    # Digest the model and vote on it after every this many applied events. Every member must
+    # use the same value (it is part of the configuration members compare when they join).
+    # Each checkpoint digests the whole state: lower values suit small states (a dev cluster,
+    # where short runs then get replica checks too), not millions of queued messages.
+    checkpoint_every: int = 10_000
 
 
 @attrs.frozen
@@ -141,6 +146,7 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             max_lag=int(c.get("max_lag", 20_000)),
             update_listen=str(c.get("update_listen", "")),
             update_rate_limit=float(c.get("update_rate_limit", 0.0)),
+            checkpoint_every=int(c.get("checkpoint_every", 10_000)),
         )
         if cluster.update_listen:
             parse_listen(cluster.update_listen)
@@ -154,12 +160,15 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             "max_lag",
             "update_listen",
             "update_rate_limit",
+            "checkpoint_every",
         )
         unknown_c = sorted(k for k in c if k not in known_keys)
         if unknown_c:
             raise ConfigError(f"unknown [cluster] key(s): {', '.join(unknown_c)}")
         if cluster.size < 1:
             raise ConfigError("cluster.size must be at least 1")
+        if cluster.checkpoint_every < 1:
+            raise ConfigError("cluster.checkpoint_every must be at least 1")
     admin_listen = str(server.get("admin", ""))
     if admin_listen:
         parse_listen(admin_listen)

@@ -54,6 +54,7 @@ class BrokerSet:
         python: str = sys.executable,
         event_log: bool = True,
         name: str = PROCESS,
+        checkpoint_every: int | None = None,
     ) -> None:
         self.dc = dc
         # Names this set's processes and files in each node directory, so that several sets
@@ -63,6 +64,8 @@ class BrokerSet:
         self.python = python
         self.extra_config = extra_config
         self.event_log = event_log
+        # None: the broker's default.
+        self.checkpoint_every = checkpoint_every
         # nodeid -> (amqp port, status port) on 127.0.0.1
         if ports is None:
             free = free_ports(2 * len(dc.nodes))
@@ -82,6 +85,7 @@ class BrokerSet:
                     "group": self.group,
                     "name": self.name,
                     "ports": {str(n): list(p) for n, p in self.ports.items()},
+                    "checkpoint_every": self.checkpoint_every,
                 }
             )
         )
@@ -93,7 +97,13 @@ class BrokerSet:
             return None
         data = json.loads(path.read_text())
         ports = {int(n): (int(p[0]), int(p[1])) for n, p in data["ports"].items()}
-        return cls(dc, group=data["group"], ports=ports, name=data["name"])
+        return cls(
+            dc,
+            group=data["group"],
+            ports=ports,
+            name=data["name"],
+            checkpoint_every=data.get("checkpoint_every"),
+        )
 
     def pid(self, nodeid: int) -> int | None:
         proc = self.procs.get(nodeid)
@@ -135,6 +145,8 @@ class BrokerSet:
         ]
         if self.event_log:
             lines.append(f'event_log = "{self.event_log_path(nodeid)}"')
+        if self.checkpoint_every is not None:
+            lines.append(f"checkpoint_every = {self.checkpoint_every}")
         path = self.config_path(nodeid)
         path.write_text("\n".join(lines) + "\n" + self.extra_config)
         return path

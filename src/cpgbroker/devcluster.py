@@ -949,6 +949,13 @@ def _parser() -> argparse.ArgumentParser:
         help="also start one cpgbroker member per node, reachable on 127.0.0.1",
     )
     up.add_argument(
+        "--checkpoint-every",
+        type=int,
+        metavar="EVENTS",
+        help="the brokers' digest checkpoint interval ([cluster] checkpoint_every; default "
+        "10000): lower for short runs, so that an audit checks the replicas",
+    )
+    up.add_argument(
         "--base-port",
         type=int,
         default=5701,
@@ -1024,7 +1031,7 @@ def _main(args: argparse.Namespace) -> int:
                 n.nodeid: (args.base_port + n.nodeid - 1, args.base_port + 10000 + n.nodeid - 1)
                 for n in cluster.nodes
             }
-            brokers = BrokerSet(cluster, ports=ports)
+            brokers = BrokerSet(cluster, ports=ports, checkpoint_every=args.checkpoint_every)
             try:
                 brokers.start_all(timeout=60)
             except BaseException:

@@ -80,8 +80,6 @@ log = logging.getLogger("cpgbroker.member")
 # Largest CPG message we build from queued events (below the 1 MiB atomic size, so libcpg
 # never fragments; large enough to amortise the per-message cost over many frames).
 MAX_BATCH_BYTES = 512 * 1024
-# Digest the model after every this many applied events (same points on every member).
-CHECKPOINT_EVERY = 10_000
 # Cluster flow control: each member reports how far it has applied every PROGRESS_EVERY
 # events (or fewer when ``max_lag`` is small), and a member stops multicasting new client
 # traffic while the slowest member is more than ``[cluster] max_lag`` events behind it.
@@ -128,6 +126,8 @@ def config_digest(config: ServerConfig) -> bytes:
     assert config.cluster is not None
     relevant = attrs.asdict(b, filter=lambda a, _v: a.name not in ("member_urls",))
     relevant["group"] = config.cluster.group
+    # Checkpoints are voted on at the same events everywhere, or not at all.
+    relevant["checkpoint_every"] = config.cluster.checkpoint_every
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).digest()
 
 
@@ -182,7 +182,7 @@ class ClusterNode(Node):
             config.cluster.url,
         )
         self.checkpoints = Checkpoints()
-        self.checkpoint_every = CHECKPOINT_EVERY
+        self.checkpoint_every = config.cluster.checkpoint_every
         self.ready = trio.Event()
         self.failed = trio.Event()
         self.failure: str | None = None
