@@ -102,6 +102,9 @@ NOT_QUORATE_TEXT = (
     "member is not in a quorate partition; it serves again once its partition regains quorum "
     "and it has resynchronised: use another member"
 )
+# A member that is quorate but does not serve: joining, taking a state update, or dropping
+# its state after it merged back on the smaller side of a partition.
+RESYNC_TEXT = "member is resynchronising with the cluster; it serves again soon: use another member"
 
 _TYPE_NAMES = {
     "ClientData": "data",
@@ -481,7 +484,7 @@ class ClusterNode(Node):
     def serving(self) -> bool:
         return self.ready.is_set() and self.suspended is None
 
-    def suspend(self, reason: str) -> None:
+    def suspend(self, reason: str, client_text: str = NOT_QUORATE_TEXT) -> None:
         """Stop serving at once (quorum lost, or merged back on the smaller side).
 
         Synchronous, so it takes effect before anything else runs: every local client gets
@@ -494,7 +497,7 @@ class ClusterNode(Node):
         self.suspended = reason
         log.error("stopping client service: %s", reason)
         self._write_log({"type": "suspend", "seq": self.broker.event_seq, "reason": reason})
-        frame = forced_close_frame(NOT_QUORATE_TEXT)
+        frame = forced_close_frame(client_text)
         # Output waiting to be stable never goes out: its events may be missing on the quorate
         # side, so its confirms are not owed (the publisher treats those messages as unknown).
         self._holding.clear()
@@ -657,7 +660,9 @@ class ClusterNode(Node):
         if self.quorum is not None:
             # With quorum it has not served since the split; it resynchronises instead.
             self.merged_away = True
-            self.suspend(f"{reason}; rejoining through a state update (other side: {others})")
+            self.suspend(
+                f"{reason}; rejoining through a state update (other side: {others})", RESYNC_TEXT
+            )
             return
         raise ClusterError(f"{reason}; leaving (other side: {others})")
 
@@ -1117,7 +1122,7 @@ class MemberProcess:
             return
         if node is None or not node.serving:
             self.refused += 1
-            await refuse(stream, NOT_QUORATE_TEXT)
+            await refuse(stream, NOT_QUORATE_TEXT if not self.quorum.quorate else RESYNC_TEXT)
             return
         with trio.CancelScope() as scope:
             key = id(scope)
