@@ -6,8 +6,6 @@ an operator runs it, and every check passes."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -23,31 +21,16 @@ import pytest
 from cpgbroker.devbrokers import BrokerSet
 from cpgbroker.devcluster import DevCluster
 from cpgbroker.history import HistoryRecorder, decode_body, encode_body, producer_name
+from prereq import require_spark
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.slow]
 
-ON_CI = os.environ.get("CI", "").lower() == "true"
 QUEUE = "audited"
 RUN_ID = 7
 # Enough events for digest checkpoints (every 10,000 events) before and after the kill.
 EVENTS_BEFORE_KILL = 11_000
 EVENTS_AFTER_KILL = 10_000
 CLIENT_ERRORS = (pika.exceptions.AMQPError, OSError)
-
-
-def require_spark() -> None:
-    problem = None
-    if not (shutil.which("java") or os.environ.get("JAVA_HOME")):
-        problem = "Java is not installed"
-    else:
-        try:
-            import pyspark  # noqa: F401
-        except ImportError as e:
-            problem = f"pyspark is not installed: {e}"
-    if problem:
-        if ON_CI:
-            pytest.fail(f"{problem} (CI=true: a skip would hide this)", pytrace=False)
-        pytest.skip(problem)
 
 
 class Traffic:

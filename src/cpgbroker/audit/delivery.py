@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
-from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from cpgbroker.audit.common import NS_PER_MS, violations
@@ -46,6 +46,21 @@ class FailureWindow:
     end: int
     action: str
     node: int
+
+
+def _delivery_violation(df: DataFrame, kind: str, detail: Column) -> DataFrame:
+    """Violations found on deliveries: each names its message, queue, client, member and time."""
+    return violations(
+        df,
+        kind,
+        producer="producer",
+        seq="seq",
+        queue="queue",
+        client="client",
+        member="member",
+        t_ns="t_ns",
+        detail=detail,
+    )
 
 
 def failure_windows(faults: list[dict[str, Any]], settle_ns: int) -> list[FailureWindow]:
@@ -286,15 +301,9 @@ def _delivered_again(
         F.lag("session").over(w).alias("p_session"),
     ).where(F.col("k") >= 2)
     found = [
-        violations(
+        _delivery_violation(
             later.where(~F.col("redelivered")),
             "redelivered_flag",
-            producer="producer",
-            seq="seq",
-            queue="queue",
-            client="client",
-            member="member",
-            t_ns="t_ns",
             detail=F.format_string("delivery %d not flagged redelivered", F.col("k")),
         )
     ]
@@ -334,15 +343,9 @@ def _delivered_again(
     )
     dup = judged.where(~(requeued | ended))
     found.append(
-        violations(
+        _delivery_violation(
             dup,
             "duplicated",
-            producer="producer",
-            seq="seq",
-            queue="queue",
-            client="client",
-            member="member",
-            t_ns="t_ns",
             detail=F.format_string(
                 "delivery %d; previous to %s (session %d) %s",
                 F.col("k"),
@@ -385,15 +388,9 @@ def _out_of_order(history: DataFrame, msgs: DataFrame) -> list[DataFrame]:
     promised = msgs.where(F.col("outcome").isin("ack", "none")).select("producer", "seq")
     late_promised = promised.join(_small(late, n_late), ["producer", "seq"])
     return [
-        violations(
+        _delivery_violation(
             late_promised,
             "order",
-            producer="producer",
-            seq="seq",
-            queue="queue",
-            client="client",
-            member="member",
-            t_ns="t_ns",
             detail=F.format_string(
                 "seq %d delivered after seq %d (consumer %s, session %d)",
                 F.col("seq"),

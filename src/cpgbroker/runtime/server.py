@@ -153,22 +153,7 @@ class Node:
                 if lc.held or (eff.confirm and self.gate_confirms):  # type: ignore[union-attr]
                     self.hold(lc, eff)  # type: ignore[arg-type]
                     continue
-                data = eff.data  # type: ignore[union-attr]
-                if not lc.out and not lc.sending and not lc.closing:
-                    # Write now rather than one scheduling round later: the socket is
-                    # non-blocking, and whatever it does not take goes to the writer task.
-                    try:
-                        n = os.write(lc.fd, data)
-                    except BlockingIOError:
-                        n = 0
-                    except OSError:
-                        n = 0  # the writer task meets the error and closes the connection
-                    lc.written += n
-                    if n == len(data):
-                        continue
-                    data = data[n:]
-                lc.out += data
-                lc.wake.set()
+                self.write(lc, eff.data)  # type: ignore[union-attr]
             elif t is WantOutput:
                 lc.want_output = True
                 lc.wake.set()
@@ -192,8 +177,8 @@ class Node:
         self.write(lc, eff.data)
 
     def write(self, lc: LocalConn, data: bytes) -> None:
-        """Write now if the socket takes it, else leave it to the writer task (what
-        ``execute`` does inline for speed)."""
+        """Write now rather than one scheduling round later: the socket is non-blocking, and
+        whatever it does not take goes to the writer task (in order, after what it holds)."""
         if not lc.out and not lc.sending and not lc.closing:
             try:
                 n = os.write(lc.fd, data)
