@@ -33,6 +33,8 @@ class FakeCpg:
         bus.subs.append(self)
 
     async def send(self, *bufs: bytes) -> None:
+        if self not in self.bus.subs:
+            return  # it left the group: nothing it sends reaches anyone
         self.bus.post(Deliver(b"g", self.local_nodeid, 1000, b"".join(bufs)))
         await trio.lowlevel.checkpoint()
 

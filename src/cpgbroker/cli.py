@@ -31,6 +31,28 @@ def main(argv: list[str] | None = None) -> int:
         help="its status endpoint ([server] admin)",
     )
     status.add_argument("--json", action="store_true", help="print the raw JSON")
+    admin_url = argparse.ArgumentParser(add_help=False)
+    admin_url.add_argument(
+        "--url",
+        default="http://127.0.0.1:15672",
+        help="the status endpoint ([server] admin) of any serving member",
+    )
+    admin_url.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds to wait for the member(s) to stop"
+    )
+    cluster = sub.add_parser("cluster", help="act on the whole cluster")
+    cluster_sub = cluster.add_subparsers(dest="action", required=True)
+    cluster_sub.add_parser(
+        "stop",
+        parents=[admin_url],
+        help="stop every member cleanly at the same point of the event order",
+    )
+    member = sub.add_parser("member", help="act on one member")
+    member_sub = member.add_subparsers(dest="action", required=True)
+    member_stop = member_sub.add_parser(
+        "stop", parents=[admin_url], help="stop one member (the others serve on)"
+    )
+    member_stop.add_argument("id", type=int, help="member id (see cpgbroker status)")
     ns = parser.parse_args(args)
     if ns.command == "start":
         from cpgbroker.runtime import server
@@ -38,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         return server.main(config_path=ns.config, listen=ns.listen)
     if ns.command == "status":
         return _status(ns.url, ns.json)
+    if ns.command in ("cluster", "member"):
+        return _stop(ns.url, getattr(ns, "id", 0), ns.timeout)
     parser.error(f"unknown command {ns.command}")
     return 2
 
@@ -46,13 +70,61 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
+def _admin_base(url: str) -> str:
+    url = url.rstrip("/")
+    return url[: -len("/status")] if url.endswith("/status") else url
+
+
+def _stop(url: str, member: int, timeout: float) -> int:
+    """POST /stop to one member; it multicasts the request and answers where in the event
+    order it took effect. For a cluster stop, then wait until that member has stopped."""
+    import json
+    import time
+    import urllib.error
+    import urllib.request
+
+    base = _admin_base(url)
+    body = json.dumps({"member": member} if member else {}).encode()
+    req = urllib.request.Request(
+        base + "/stop", data=body, headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=15) as resp:
+            answer = json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        try:
+            why = json.loads(e.read()).get("error", e.reason)
+        except ValueError:
+            why = e.reason
+        print(f"cpgbroker: {base} refused: {why}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError) as e:
+        print(f"cpgbroker: cannot reach {base}: {e}", file=sys.stderr)
+        return 1
+    what = "the cluster" if not member else f"member {member}"
+    print(f"stopping {what} at event {answer.get('at_seq')}")
+    if member:
+        return 0
+    # Every member stops at that event; this one's endpoint goes away once it has exited.
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(base + "/status", timeout=2):
+                pass
+        except (urllib.error.URLError, OSError):
+            print("stopped")
+            return 0
+        time.sleep(0.2)
+    print(f"cpgbroker: {base} still answers after {timeout:.0f} s", file=sys.stderr)
+    return 1
+
+
 def _status(url: str, as_json: bool) -> int:
     import json
     import urllib.error
     import urllib.request
 
-    if not url.rstrip("/").endswith("/status"):
-        url = url.rstrip("/") + "/status"
+    url = _admin_base(url) + "/status"
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:
             data = json.loads(resp.read())
@@ -82,9 +154,30 @@ def _status(url: str, as_json: bool) -> int:
         if cp:
             agreed = "agreed" if cp["agreed"] else "DIVERGED"
             print(f"checkpoint: seq {cp['seq']} {agreed} digest {cp['digest'][:16]}")
+        _print_error_checks(data.get("error_checks") or {})
+        if data.get("stopping"):
+            st = data["stopping"]
+            print(f"stopping: {st['scope']} stop at event {st['seq']}")
     conns = data.get("connections", {})
     print(f"connections: {conns.get('local', 0)} local, {conns.get('shadow', 0)} shadow")
     for name, q in sorted(data.get("queues", {}).items()):
         counts = f"{q['ready']} ready, {q['unacked']} unacked, {q['consumers']} consumers"
         print(f"  queue {name}: {counts}")
     return 0
+
+
+def _print_error_checks(ec: dict[str, object]) -> None:
+    held = ec.get("held_at")
+    if held is not None:
+        print(f"error-check: HELD at event {held}, waiting for the round's decision")
+    pending = ec.get("pending") or {}
+    assert isinstance(pending, dict)
+    for seq, p in pending.items():
+        print(f"error-check round at event {seq}: waiting for {p['waiting_for']}")
+    decided = ec.get("decided") or []
+    assert isinstance(decided, list)
+    for r in decided[-5:]:
+        leaving = ", ".join(str(m) for m in r["leaving"]) or "nobody"
+        print(f"error-check round at event {r['seq']}: {r['decision']!r} won; leaving: {leaving}")
+        for m, o in r["outcomes"].items():
+            print(f"    member {m}: {o}")

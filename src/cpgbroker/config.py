@@ -40,6 +40,12 @@ class ClusterConfig:
     # Each checkpoint digests the whole state: lower values suit small states (a dev cluster,
     # where short runs then get replica checks too), not millions of queued messages.
     checkpoint_every: int = 10_000
+    # Seconds a member may go without processing events before its watchdog process kills
+    # it (a hung member must not hold the others back); 0 disables the watchdog.
+    watchdog_timeout: float = 30.0
+    # Accept ``POST /faults`` on the status endpoint (make this member fail at a chosen event,
+    # or find its disk full): for tests of the cluster's error handling, never in production.
+    fault_injection: bool = False
 
 
 @attrs.frozen
@@ -147,6 +153,8 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             update_listen=str(c.get("update_listen", "")),
             update_rate_limit=float(c.get("update_rate_limit", 0.0)),
             checkpoint_every=int(c.get("checkpoint_every", 10_000)),
+            watchdog_timeout=float(c.get("watchdog_timeout", 30.0)),
+            fault_injection=bool(c.get("fault_injection", False)),
         )
         if cluster.update_listen:
             parse_listen(cluster.update_listen)
@@ -161,6 +169,8 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             "update_listen",
             "update_rate_limit",
             "checkpoint_every",
+            "watchdog_timeout",
+            "fault_injection",
         )
         unknown_c = sorted(k for k in c if k not in known_keys)
         if unknown_c:
@@ -169,6 +179,10 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             raise ConfigError("cluster.size must be at least 1")
         if cluster.checkpoint_every < 1:
             raise ConfigError("cluster.checkpoint_every must be at least 1")
+        if cluster.watchdog_timeout < 0:
+            raise ConfigError("cluster.watchdog_timeout must be 0 (off) or positive")
+        if not isinstance(c.get("fault_injection", False), bool):
+            raise ConfigError("cluster.fault_injection must be true or false")
     admin_listen = str(server.get("admin", ""))
     if admin_listen:
         parse_listen(admin_listen)

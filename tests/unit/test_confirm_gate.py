@@ -5,139 +5,14 @@ confirmed to a client there. Output after a held confirm keeps its order behind 
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Callable
-from typing import Any
-
-import pytest
 import trio
-from pamqp import commands, frame
+from pamqp import commands
 
-from cpgbroker.config import ClusterConfig, ServerConfig
-from cpgbroker.cpg import ConfChg, Member, MemberChange, Reason
-from cpgbroker.model.events import ClientConnected, ClientData, Send
-from cpgbroker.runtime.member import ClusterNode, member_id
-from cpgbroker.runtime.server import LocalConn
-from cpgbroker.wire.framer import PROTOCOL_HEADER
-from fakecpg import Bus, FakeCpg
+from cpgbroker.model.events import ClientData, Send
 from modelclient import Harness
+from nodeharness import acks, close_sockets, open_confirm_channel, publish_bytes, start, until
 
-SOCKETS: list[socket.socket] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_sockets() -> Any:
-    yield
-    while SOCKETS:
-        SOCKETS.pop().close()
-
-
-class FakeStream:
-    def __init__(self, sock: socket.socket) -> None:
-        self.socket = sock
-
-
-class Client:
-    """A local client of ``node`` whose bytes the node writes into a real socket pair."""
-
-    def __init__(self, node: ClusterNode) -> None:
-        self.node = node
-        ours, self.peer = socket.socketpair()
-        SOCKETS.extend((ours, self.peer))
-        ours.setblocking(False)
-        self.peer.setblocking(False)
-        self.lc = LocalConn(node.new_conn_id(), FakeStream(ours), "127.0.0.1:1")  # type: ignore[arg-type]
-        node.local[self.lc.id] = self.lc
-        self.buf = bytearray()
-
-    async def send(self, ch: int, method: Any) -> None:
-        await self.node.submit(ClientData(self.lc.id, frame.marshal(method, ch)))
-
-    def methods(self) -> list[Any]:
-        """Methods the client received so far (read from the socket, plus what waits in the
-        connection's write buffer for the writer task, which these tests do not run)."""
-        try:
-            while chunk := self.peer.recv(65536):
-                self.buf += chunk
-        except BlockingIOError:
-            pass
-        data = bytes(self.buf) + bytes(self.lc.out)
-        out: list[Any] = []
-        if data.startswith(b"AMQP"):
-            data = data[8:]
-        while data:
-            n, _ch, f = frame.unmarshal(data)
-            data = data[n:]
-            out.append(f)
-        return out
-
-
-async def until(cond: Callable[[], bool]) -> None:
-    with trio.fail_after(5):
-        while not cond():
-            await trio.sleep(0.005)
-
-
-async def start(nursery: trio.Nursery, size: int) -> tuple[list[ClusterNode], list[FakeCpg]]:
-    bus = Bus()
-    nodes, cpgs = [], []
-    for nid in range(1, size + 1):
-        cfg = ServerConfig(cluster=ClusterConfig(group="g", size=size))
-        cpg = FakeCpg(bus, nid)
-        cpgs.append(cpg)
-        nodes.append(ClusterNode(cfg, cpg, member_id(nid, 1000)))  # type: ignore[arg-type]
-    ids = range(1, size + 1)
-    bus.post(
-        ConfChg(
-            b"g",
-            tuple(Member(n, 1000) for n in ids),
-            (),
-            tuple(MemberChange(n, 1000, Reason.JOIN) for n in ids),
-        )
-    )
-    for n in nodes:
-        nursery.start_soon(n.sender)
-        nursery.start_soon(n.deliver_loop)
-    with trio.fail_after(5):
-        for n in nodes:
-            await n.ready.wait()
-    return nodes, cpgs
-
-
-async def open_confirm_channel(node: ClusterNode, *, tx: bool = False) -> Client:
-    c = Client(node)
-    await node.submit(ClientConnected(c.lc.id, node.member, "127.0.0.1:1", True))
-    await node.submit(ClientData(c.lc.id, PROTOCOL_HEADER))
-    await c.send(
-        0,
-        commands.Connection.StartOk(
-            client_properties={"capabilities": {"publisher_confirms": True}},
-            mechanism="PLAIN",
-            response="\0guest\0guest",
-        ),
-    )
-    await c.send(0, commands.Connection.TuneOk(channel_max=64, frame_max=131072, heartbeat=0))
-    await c.send(0, commands.Connection.Open(virtual_host="/"))
-    await c.send(1, commands.Channel.Open())
-    await c.send(1, commands.Tx.Select() if tx else commands.Confirm.Select())
-    await c.send(1, commands.Queue.Declare(queue="q"))
-    await until(lambda: any(isinstance(m, commands.Queue.DeclareOk) for m in c.methods()))
-    return c
-
-
-def publish_bytes(body: bytes) -> bytes:
-    from pamqp import body as pbody
-    from pamqp import header
-
-    return (
-        frame.marshal(commands.Basic.Publish(exchange="", routing_key="q"), 1)
-        + frame.marshal(header.ContentHeader(0, len(body), commands.Basic.Properties()), 1)
-        + frame.marshal(pbody.ContentBody(body), 1)
-    )
-
-
-def acks(c: Client) -> list[Any]:
-    return [m for m in c.methods() if isinstance(m, commands.Basic.Ack)]
+_close_sockets = close_sockets
 
 
 async def test_confirm_waits_for_every_member_and_keeps_the_connection_order() -> None:

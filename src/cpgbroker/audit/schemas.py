@@ -40,8 +40,12 @@ EVENT_SCHEMA = T.StructType(
 )
 # Records that are not an event applied to the model: a hello is logged with the sequence
 # number of the event before it, checkpoints and verdicts are about the stream, not in it, and
-# a suspend (quorum lost) carries the last event the member applied before it stopped.
-NOT_APPLIED = ("hello", "checkpoint", "verdict", "suspend")
+# a suspend (quorum lost) carries the last event the member applied before it stopped; an
+# error names the event a member failed to apply or record, an error-check the decided round
+# about it, and a stop the event at which a stop request stopped the member.
+NOT_APPLIED = ("hello", "checkpoint", "verdict", "suspend", "error", "error-check", "stop")
+# Records that carry nothing more than type, seq, t_ns and member are required to.
+_BARE = ("hello", "suspend", "error", "error-check", "stop")
 
 # -- client operation histories (written by cpgbroker.history.HistoryRecorder)
 HISTORY_SCHEMA = T.StructType(
@@ -91,12 +95,12 @@ def _present(c: Field, *names: str) -> Column:
 
 def event_valid(c: Field = F.col) -> Column:
     """Every record has type, seq, t_ns and member; applied events a sender; checkpoints a
-    digest; verdicts their result (hellos and suspends nothing more)."""
+    digest; verdicts their result (the records in ``_BARE`` nothing more)."""
     t = c("type")
     return _present(c, "type", "seq", "t_ns", "member") & (
         F.when(t == "checkpoint", _present(c, "digest"))
         .when(t == "verdict", _present(c, "agreed"))
-        .when(t.isin("hello", "suspend"), F.lit(True))
+        .when(t.isin(*_BARE), F.lit(True))
         .otherwise(_present(c, "sender"))
     )
 

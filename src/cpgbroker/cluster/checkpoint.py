@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import attrs
 
+from cpgbroker.cluster.errorcheck import majority
+
 
 @attrs.frozen
 class Verdict:
@@ -47,17 +49,13 @@ class Checkpoints:
         if not members or any(m not in got for m in members):
             return None
         del self._pending[seq]
-        votes: dict[bytes, list[int]] = {}
-        for m in sorted(members):
-            votes.setdefault(got[m], []).append(m)
         # Most votes wins; on a tie, the digest held by the lowest member id.
-        winner = max(votes, key=lambda d: (len(votes[d]), -min(votes[d])))
-        losers = tuple(m for d, ms in votes.items() if d != winner for m in ms)
+        winner, losers = majority({m: got[m] for m in members})
         verdict = Verdict(
             seq=seq,
-            agreed=len(votes) == 1,
+            agreed=not losers,
             winner=winner,
-            losers=tuple(sorted(losers)),
+            losers=losers,
             digests=tuple((m, got[m]) for m in sorted(members)),
         )
         self.last = verdict

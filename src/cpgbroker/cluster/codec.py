@@ -8,8 +8,9 @@ order inside and across batches, so the order of every connection's bytes is pre
 Connection ids are ``(member << 32) | counter``: unique across the cluster because the member id
 is unique among live members, and compact on the wire as ``member:u64 counter:u32``.
 
-Cluster control events (:class:`Hello`, :class:`Checkpoint`) ride in the same stream, so they
-are ordered with client traffic: every member sees a checkpoint at the same event sequence.
+Cluster control events (:class:`Hello`, :class:`Checkpoint`, :class:`ErrorCheck`, ...) ride in
+the same stream, so they are ordered with client traffic: every member sees a checkpoint at
+the same event sequence.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from cpgbroker.model.events import (
 
 MAGIC = 0xCB
 # 2: Hello carries the state a member kept when its partition lost quorum.
-FORMAT = 2
+# 3: error-check rounds and stop requests.
+FORMAT = 3
 
 T_DATA = 1
 T_CONNECTED = 2
@@ -43,6 +45,8 @@ T_HELLO = 10
 T_CHECKPOINT = 11
 T_PROGRESS = 12
 T_UPDATE_REQUEST = 13
+T_ERROR_CHECK = 14
+T_STOP = 15
 
 STATUS_NEW = 0
 STATUS_READY = 1
@@ -102,7 +106,30 @@ class UpdateRequest:
     token: bytes
 
 
-ClusterControl = Hello | Checkpoint | Progress | UpdateRequest
+@attrs.frozen
+class ErrorCheck:
+    """``member``'s outcome of applying event ``seq``: ``OK``, or the error it hit there that
+    the stream does not explain (a failed local write, an unexpected exception). The first one
+    for a ``seq`` opens an error-check round; every ready member answers with its own outcome
+    and the majority decides who leaves (docs/architecture.md, "Error-check rounds")."""
+
+    member: int
+    seq: int
+    outcome: str
+
+
+OK = "ok"
+
+
+@attrs.frozen
+class StopRequest:
+    """Stop ``target`` (0: every member) at the point where this request is delivered."""
+
+    member: int
+    target: int
+
+
+ClusterControl = Hello | Checkpoint | Progress | UpdateRequest | ErrorCheck | StopRequest
 
 _CONN = struct.Struct(">QI")
 _DATA = struct.Struct(">BQII")
@@ -189,6 +216,10 @@ def encode(ev: Any) -> bytes:
             + _U8.pack(len(ev.token))
             + bytes(ev.token)
         )
+    if t is ErrorCheck:
+        return _U8.pack(T_ERROR_CHECK) + _U64.pack(ev.member) + _U64.pack(ev.seq) + _str(ev.outcome)
+    if t is StopRequest:
+        return _U8.pack(T_STOP) + _U64.pack(ev.member) + _U64.pack(ev.target)
     raise ClusterError(f"cannot encode {ev!r}")
 
 
@@ -282,6 +313,20 @@ def decode_batch(data: bytes, sender: int) -> list[Any]:
                     raise IndexError("token past the end of the batch")
                 out.append(UpdateRequest(member, updater, address, token))
                 p += 1 + tlen
+                continue
+            if t == T_ERROR_CHECK:
+                member, seq = struct.unpack_from(">QQ", data, p)
+                if member != sender:
+                    raise ClusterError(f"member {sender} sent an error-check for {member}")
+                outcome, p = _read_str(data, p + 16)
+                out.append(ErrorCheck(member, seq, outcome))
+                continue
+            if t == T_STOP:
+                member, target = struct.unpack_from(">QQ", data, p)
+                if member != sender:
+                    raise ClusterError(f"member {sender} sent a stop request for {member}")
+                out.append(StopRequest(member, target))
+                p += 16
                 continue
             if t == T_CHECKPOINT:
                 member, seq = struct.unpack_from(">QQ", data, p)

@@ -196,6 +196,19 @@ class Broker:
             raise InvariantError(f"unknown event {event!r}")
         return self._flush()
 
+    def fail_event(self, event: Event, text: str) -> list[Effect]:
+        """The cluster decided that applying ``event`` failed (an error-check round whose
+        majority hit the same error there): the event counts as applied, and the connection
+        it came from, if any, is closed with 541 internal-error rather than left in whatever
+        state the failure left it. Every member that continues takes this same step."""
+        conn = self.connections.get(getattr(event, "conn", -1))
+        if conn is not None:
+            if conn.state == E.OPEN:
+                self._connection_error(conn, ConnectionError_(ReplyCode.INTERNAL_ERROR, text[:200]))
+            else:
+                self._drop_connection(conn, text, notify=True)
+        return self._flush()
+
     def set_emit(self, conn_id: int, emit: bool) -> None:
         """Mark a connection as this replica's own (emit output) or a shadow (discard)."""
         conn = self.connections.get(conn_id)

@@ -1,15 +1,19 @@
-"""A minimal HTTP status endpoint (``GET /status[?digest=1]`` -> JSON) for ``cpgbroker status``.
+"""A minimal HTTP endpoint for operators: ``GET /status[?digest=1]`` -> JSON for ``cpgbroker
+status`` (membership, connection counts, queue depths, the event sequence, the last digest
+checkpoint, quorum, error-check rounds), and on cluster members the control requests of
+``cpgbroker cluster stop`` / ``member stop`` (``POST /stop``) and, when a test configuration
+enables it, ``POST /faults``.
 
-Read-only and bound to the address the operator configures (loopback by default in the
-examples): it reports membership, connection counts, queue depths, the event sequence and the
-last digest checkpoint.
+It is bound to the address the operator configures (loopback in the examples) and has no
+authentication of its own: whoever reaches it can stop the cluster. Keep it on loopback or a
+management network, as corosync's own ports.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -18,13 +22,30 @@ from cpgbroker.config import parse_listen
 
 log = logging.getLogger("cpgbroker.admin")
 
-# Requests are one short line plus headers; anything bigger is not for us.
+# Requests are one short line plus headers (and a small JSON body); anything bigger is not
+# for us.
 MAX_REQUEST = 8192
+
+# POST path, JSON body -> (HTTP status, JSON answer)
+Control = Callable[[str, dict[str, Any]], Awaitable[tuple[int, dict[str, Any]]]]
+_REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 403: "Forbidden", 404: "Not Found"}
+
+
+def _split_request(request: bytes) -> tuple[list[str], bytes, int]:
+    head, _, body = request.partition(b"\r\n\r\n")
+    lines = head.decode(errors="replace").split("\r\n")
+    length = 0
+    for h in lines[1:]:
+        name, _, value = h.partition(":")
+        if name.strip().lower() == "content-length" and value.strip().isdigit():
+            length = int(value.strip())
+    return lines[0].split(), body, length
 
 
 async def serve_admin(
     addr: str,
     status: Callable[[bool], dict[str, Any]],
+    control: Control | None = None,
     *,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -42,15 +63,30 @@ async def serve_admin(
                     if not chunk:
                         break
                     request += chunk
-                line = request.split(b"\r\n", 1)[0].decode(errors="replace").split()
+                line, payload, length = _split_request(request)
+                while len(payload) < min(length, MAX_REQUEST):
+                    chunk = await stream.receive_some(4096)
+                    if not chunk:
+                        break
+                    payload += chunk
                 path, _, query = line[1].partition("?") if len(line) >= 2 else ("", "", "")
+                answer: Any
                 if line and line[0] == "GET" and path in ("/", "/status"):
                     # ?digest=1 adds the current model digest (costs a full snapshot).
-                    body = json.dumps(status("digest=1" in query), indent=2, default=str).encode()
-                    code = "200 OK"
+                    http, answer = 200, status("digest=1" in query)
+                elif line and line[0] == "POST" and control is not None:
+                    try:
+                        args = json.loads(payload or b"{}")
+                        if not isinstance(args, dict):
+                            raise ValueError("not a JSON object")
+                    except ValueError as e:
+                        http, answer = 400, {"error": f"the body is not a JSON object: {e}"}
+                    else:
+                        http, answer = await control(path, args)
                 else:
-                    body = b'{"error": "only GET /status"}'
-                    code = "404 Not Found"
+                    http, answer = 404, {"error": "GET /status, or POST /stop on a member"}
+                body = json.dumps(answer, indent=2, default=str).encode()
+                code = f"{http} {_REASONS.get(http, 'Error')}"
                 await stream.send_all(
                     f"HTTP/1.0 {code}\r\nContent-Type: application/json\r\n"
                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()

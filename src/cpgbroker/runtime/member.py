@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -28,13 +29,17 @@ from cpgbroker import MODEL_VERSION, __version__
 from cpgbroker.cluster import codec
 from cpgbroker.cluster.checkpoint import Checkpoints, Verdict
 from cpgbroker.cluster.codec import (
+    OK,
     STATUS_NAMES,
     STATUS_READY,
     Checkpoint,
+    ErrorCheck,
     Hello,
     Progress,
+    StopRequest,
     UpdateRequest,
 )
+from cpgbroker.cluster.errorcheck import ErrorRounds, Round
 from cpgbroker.cluster.membership import (
     NEEDS_UPDATE,
     READY,
@@ -64,7 +69,7 @@ from cpgbroker.errors import ClusterError, CpgError
 from cpgbroker.model import snapshot
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.events import ClientConnected, ClientData, Event, MemberLeft, Send, Tick
-from cpgbroker.runtime import admin, update
+from cpgbroker.runtime import admin, update, watchdog
 from cpgbroker.runtime.cpg_trio import TrioCpg, open_cpg
 from cpgbroker.runtime.quorum_trio import TrioQuorum, open_quorum
 from cpgbroker.runtime.server import (
@@ -105,6 +110,19 @@ NOT_QUORATE_TEXT = (
 # A member that is quorate but does not serve: joining, taking a state update, or dropping
 # its state after it merged back on the smaller side of a partition.
 RESYNC_TEXT = "member is resynchronising with the cluster; it serves again soon: use another member"
+# How long a stopping member waits for the others' last progress reports, so that confirms
+# for events before the stop point still reach its clients.
+STOP_SETTLE = 3.0
+# Error-check rounds kept for ``cpgbroker status``.
+ROUNDS_SHOWN = 20
+# The kinds of fault a test can inject (``[cluster] fault_injection``): fail while applying
+# event N, or find the disk full when recording event N and after.
+FAULT_KINDS = ("apply-error", "disk-full")
+
+
+class InjectedFault(Exception):
+    """A failure a test asked for (``POST /faults``): stands for an unexpected exception."""
+
 
 _TYPE_NAMES = {
     "ClientData": "data",
@@ -233,11 +251,36 @@ class ClusterNode(Node):
         self.replayed = 0
         # -- state update, updater side: forked children streaming a snapshot
         self.updates: dict[int, dict[str, Any]] = {}
+        # -- error-check rounds (cluster/errorcheck.py): the event this member failed to apply
+        # or record, (seq, outcome, event, sender), while the cluster decides; the events
+        # delivered meanwhile, (event, sender), applied if it stays.
+        self.stalled: tuple[int, str, Any, int] | None = None
+        self._stall_buf: collections.deque[tuple[Any, int]] = collections.deque()
+        self.error_rounds = ErrorRounds()
+        # Rounds this member answered, and rounds it owes an answer once it has applied
+        # their event (it was stalled at an earlier one when they opened).
+        self._answered: set[int] = set()
+        self._owed: list[int] = []
+        self.rounds: collections.deque[Round] = collections.deque(maxlen=ROUNDS_SHOWN)
+        # A local write failed (the event log today): why. Checked after every event.
+        self._write_failed: str | None = None
+        # Injected faults, kind -> the event seq they fire at (tests only).
+        self.faults: dict[str, int] = {}
+        # -- stop requests: the event seq this member stopped at, and who asked.
+        self.halted: int | None = None
+        self.halt_scope = ""
+        self.stop_requested = trio.Event()
+        self.stop_points: dict[tuple[int, int], int] = {}
+        self._stop_seen = trio.Event()
 
     # ------------------------------------------------------------------ sequencer
 
     async def submit(self, ev: Event) -> None:
         """Multicast instead of apply: the event takes effect when CPG delivers it."""
+        if self.halted is not None:
+            # Stopped at a point of the stream: nothing of this member's clients may follow it
+            # (their publishes would be applied by the members serving on, unconfirmed).
+            return
         if type(ev) is ClientData:
             lc = self.local.get(ev.conn)
             if lc is not None:
@@ -497,10 +540,17 @@ class ClusterNode(Node):
         self.suspended = reason
         log.error("stopping client service: %s", reason)
         self._write_log({"type": "suspend", "seq": self.broker.event_seq, "reason": reason})
-        frame = forced_close_frame(client_text)
         # Output waiting to be stable never goes out: its events may be missing on the quorate
         # side, so its confirms are not owed (the publisher treats those messages as unknown).
         self._holding.clear()
+        self._force_close_locals(client_text, reason)
+        if self.scope is not None:
+            self.scope.cancel()
+
+    def _force_close_locals(self, client_text: str, reason: str) -> None:
+        """connection.close 320 to every local client after the output already queued for it
+        (whole frames), without the model: this member no longer applies events."""
+        frame = forced_close_frame(client_text)
         for lc in self.local.values():
             lc.held.clear()
             if not lc.closing:
@@ -509,8 +559,6 @@ class ClusterNode(Node):
             lc.model_closed = True
             lc.close_reason = lc.close_reason or reason
             lc.wake.set()
-        if self.scope is not None:
-            self.scope.cancel()
 
     def on_quorum_loss(self, reason: str) -> None:
         self.suspend(reason)
@@ -567,18 +615,48 @@ class ClusterNode(Node):
                 if verdict is not None:
                     self._on_verdict(verdict)
             return
+        if t is ErrorCheck:
+            if self.membership.state == READY:
+                self._on_error_check(e)
+            return
+        if t is StopRequest:
+            if self.membership.state == READY:
+                self._on_stop_request(e)
+            return
         if self.membership.state != READY:
             return  # not serving yet: the members that serve started from the state we lack
         if t is Tick and sender != self.membership.clock_master:
             return  # a late tick from a former clock master: every member drops it alike
-        self.apply(e)
-        if t is ClientConnected and e.member != self.member:
-            self.broker.set_emit(e.conn, False)
-        elif t is ClientData and sender == self.member:
+        if t is ClientData and sender == self.member:
             lc = self.local.get(e.conn)
             if lc is not None:
                 lc.inflight -= 1
                 lc.credit_back.set()
+        if self.halted is not None:
+            return  # stopped at a point of the stream: nothing after it is applied
+        if self.stalled is not None:
+            self._stall_buf.append((e, sender))
+            return
+        self._apply_stream(e, sender)
+
+    def _apply_stream(self, e: Any, sender: int) -> None:
+        """Apply one event of the stream. An exception here is an error the stream does not
+        explain (the same event applies cleanly elsewhere, or everywhere fails alike): the
+        cluster decides in an error-check round."""
+        seq = self.broker.event_seq + 1
+        try:
+            at = self.faults.get("apply-error")
+            if at is not None and seq >= at:
+                del self.faults["apply-error"]
+                raise InjectedFault("injected failure")
+            self.apply(e)
+        except Exception as exc:
+            # Counted as applied either way: the members that continue agree on the count.
+            self.broker.event_seq = seq
+            self._local_error(seq, f"apply-error: {type(exc).__name__}: {exc}", e, sender)
+            return
+        if type(e) is ClientConnected and e.member != self.member:
+            self.broker.set_emit(e.conn, False)
         self._after_apply(e, sender)
 
     def _after_apply(self, e: Any, sender: int) -> None:
@@ -587,13 +665,29 @@ class ClusterNode(Node):
             return
         self.delivered_events += 1
         if self._event_log is not None:
-            self._log_event(
-                _TYPE_NAMES.get(type(e).__name__, type(e).__name__),
-                sender,
-                getattr(e, "conn", None),
-                len(e.data) if type(e) is ClientData else 0,
-            )
+            at = self.faults.get("disk-full")
+            if at is not None and self.broker.event_seq >= at:
+                self._write_failed = str(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+            else:
+                self._log_event(
+                    _TYPE_NAMES.get(type(e).__name__, type(e).__name__),
+                    sender,
+                    getattr(e, "conn", None),
+                    len(e.data) if type(e) is ClientData else 0,
+                )
+            if self._write_failed is not None:
+                # This member could not record the event: the others may have. Whether it
+                # may go on is the cluster's call.
+                self._local_error(
+                    self.broker.event_seq, f"store-write: {self._write_failed}", e, sender
+                )
+                return
+        self._report_and_digest()
+
+    def _report_and_digest(self) -> None:
         seq = self.broker.event_seq
+        if self._owed:
+            self._pay_owed()
         if seq % self.progress_every == 0:
             self._queue_control(codec.encode(Progress(self.member, seq)))
         if seq % self.checkpoint_every == 0:
@@ -695,6 +789,8 @@ class ClusterNode(Node):
         if left and self.membership.state == READY:
             for verdict in self.checkpoints.members_changed(self.membership.ready_members):
                 self._on_verdict(verdict)
+            for r in self.error_rounds.members_left(left):
+                self._on_round(r)
 
     def _act(self, actions: list[Any]) -> None:
         for a in actions:
@@ -727,8 +823,12 @@ class ClusterNode(Node):
                 )
                 self.ready.set()
             elif t is ApplyToModel:
-                self.apply(a.event)
-                self._after_apply(a.event, 0)
+                if self.halted is not None:
+                    continue
+                if self.stalled is not None:
+                    self._stall_buf.append((a.event, 0))
+                    continue
+                self._apply_stream(a.event, 0)
             elif t is NeedUpdate:
                 log.info("%s", a.reason)
                 self.kept = None
@@ -805,6 +905,12 @@ class ClusterNode(Node):
             # The update point: from here on, the stream is kept for replay.
             self._buffer = collections.deque()
             self._request_delivered.set()
+            return
+        if e.updater == self.member and self.stalled is not None:
+            # Our model is behind the stream until the round is decided: take the snapshot
+            # when the replay reaches this request (if we leave instead, the newcomer asks
+            # another member).
+            self._stall_buf.append((e, e.member))
             return
         me = self.membership.members.get(self.member)
         if (
@@ -960,6 +1066,162 @@ class ClusterNode(Node):
                 f"this member's state differs from the majority at event {v.seq}: leaving"
             )
 
+    # ------------------------------------------------------------------ error-check rounds
+
+    def _local_error(self, seq: int, outcome: str, e: Any, sender: int) -> None:
+        """This member failed to apply (or record) event ``seq`` and the stream does not say
+        why: stop applying here and let the cluster decide (cluster/errorcheck.py)."""
+        outcome = outcome[:200]
+        if self.member not in self.membership.ready_members:
+            # Not serving yet (catching up after an update): nobody relies on this member.
+            raise ClusterError(f"failed at event {seq} while catching up: {outcome}")
+        log.error(
+            "error at event %s: %s; holding until the error-check round decides", seq, outcome
+        )
+        self.stalled = (seq, outcome, e, sender)
+        self._answered.add(seq)
+        self._write_log({"type": "error", "seq": seq, "outcome": outcome})
+        self._queue_control(codec.encode(ErrorCheck(self.member, seq, outcome)))
+
+    def _on_error_check(self, e: ErrorCheck) -> None:
+        ready = self.membership.ready_members
+        if e.member in ready and e.seq not in self._answered and self.member in ready:
+            # Every member that delivers this has delivered event e.seq before it; it has
+            # applied it unless it is itself held at an earlier error.
+            self._answered.add(e.seq)
+            if self.stalled is None or self.stalled[0] > e.seq:
+                self._queue_control(codec.encode(ErrorCheck(self.member, e.seq, OK)))
+            else:
+                self._owed.append(e.seq)
+        r = self.error_rounds.record(e.seq, e.member, e.outcome, ready)
+        if r is not None:
+            self._on_round(r)
+
+    def _pay_owed(self) -> None:
+        seq = self.broker.event_seq
+        for s in [s for s in self._owed if s <= seq]:
+            self._owed.remove(s)
+            self._queue_control(codec.encode(ErrorCheck(self.member, s, OK)))
+
+    def _on_round(self, r: Round) -> None:
+        self.rounds.append(r)
+        self._write_log({"type": "error-check", **r.as_dict()})
+        (log.info if not r.losers else log.error)(
+            "error-check round decided seq=%s decision=%r outcomes=%s leaving=%s",
+            r.seq,
+            r.decision,
+            dict(r.outcomes),
+            list(r.losers),
+        )
+        if self.member in r.losers:
+            mine = dict(r.outcomes)[self.member]
+            raise ClusterError(
+                f"error-check at event {r.seq}: this member's outcome ({mine}) lost to the "
+                f"majority's ({r.decision}); leaving"
+            )
+        stalled = self.stalled
+        if stalled is None or stalled[0] != r.seq:
+            return
+        _seq, outcome, e, sender = stalled
+        self.stalled = None
+        # The majority failed here alike: take the same way forward as all of them.
+        if outcome.startswith("apply-error"):
+            self.execute(
+                self.broker.fail_event(e, "internal error while processing this connection")
+            )
+            self._after_apply(e, sender)
+        else:
+            log.error("event log disabled after a failed write: %s", outcome)
+            self.close()
+            self.faults.pop("disk-full", None)
+            self._write_failed = None
+            self._report_and_digest()
+        self._replay_stalled()
+
+    def _replay_stalled(self) -> None:
+        """Apply what was delivered while this member waited for a round, in order, until it
+        is held again or the buffer is empty."""
+        buf = self._stall_buf
+        while buf and self.stalled is None and self.halted is None:
+            e, sender = buf.popleft()
+            if type(e) is UpdateRequest:
+                self._on_update_request(e)
+            else:
+                self._apply_stream(e, sender)
+
+    def inject_fault(self, kind: str, at_seq: int) -> dict[str, Any]:
+        """Make this member fail at event ``at_seq`` (tests; ``[cluster] fault_injection``)."""
+        if kind not in FAULT_KINDS:
+            raise ClusterError(f"unknown fault kind {kind!r} (known: {', '.join(FAULT_KINDS)})")
+        if kind == "disk-full" and self._event_log is None:
+            raise ClusterError("this member records nothing per event (no [cluster] event_log)")
+        at_seq = max(at_seq, self.broker.event_seq + 1)
+        self.faults[kind] = at_seq
+        log.warning("fault injected kind=%s at_seq=%s", kind, at_seq)
+        return {"kind": kind, "at_seq": at_seq}
+
+    # ------------------------------------------------------------------ stop requests
+
+    async def request_stop(self, target: int, timeout: float = 10.0) -> int:
+        """Ask ``target`` (0: every member) to stop; the event seq where the request took
+        effect, once it is delivered back here."""
+        if target and target not in self.membership.ready_members:
+            raise ClusterError(f"no serving member {target} in the cluster")
+        key = (self.member, target)
+        self.stop_points.pop(key, None)
+        self._queue_control(codec.encode(StopRequest(self.member, target)))
+        with trio.fail_after(timeout):
+            while key not in self.stop_points:
+                await self._stop_seen.wait()
+        return self.stop_points[key]
+
+    def _on_stop_request(self, e: StopRequest) -> None:
+        # Where each request took effect, for the member that asked (its operator's answer).
+        self.stop_points[(e.member, e.target)] = self.broker.event_seq
+        self._stop_seen.set()
+        self._stop_seen = trio.Event()
+        if e.target not in (0, self.member):
+            log.info("member %s asked member %s to stop", e.member, e.target)
+            return
+        if self.halted is not None:
+            return
+        self.halted = self.broker.event_seq
+        self.halt_scope = "cluster" if e.target == 0 else "member"
+        digest = snapshot.digest_bytes(self.broker).hex()
+        log.warning(
+            "stop requested by member %s: %s stop at event %s digest=%s",
+            e.member,
+            self.halt_scope,
+            self.halted,
+            digest[:16],
+        )
+        self._write_log(
+            {
+                "type": "stop",
+                "seq": self.halted,
+                "scope": self.halt_scope,
+                "by": e.member,
+                "digest": digest,
+            }
+        )
+        # Our last report: confirms up to the stop point become stable on the others.
+        self._queue_control(codec.encode(Progress(self.member, self.halted)))
+        self.stop_requested.set()
+
+    async def finish_stop(self) -> None:
+        """After a stop request: let confirms up to the stop point out (every ready member
+        reports it has applied them), then tell the clients to go."""
+        assert self.halted is not None
+        with trio.move_on_after(STOP_SETTLE):
+            while self.stable_seq() < self.halted:
+                self._progress_changed = trio.Event()
+                await self._progress_changed.wait()
+        self._release_stable()
+        text = (
+            "cluster shutdown" if self.halt_scope == "cluster" else "member stopped by an operator"
+        )
+        self._force_close_locals(f"{text}: use another member", text)
+
     # ------------------------------------------------------------------ time and logs
 
     async def cluster_ticker(self) -> None:
@@ -987,11 +1249,16 @@ class ClusterNode(Node):
         self._write_log(rec)
 
     def _write_log(self, rec: dict[str, Any]) -> None:
-        if self._event_log is not None:
+        if self._event_log is not None and self._write_failed is None:
             rec.setdefault("member", self.member)
             rec.setdefault("incarnation", self.incarnation)
             rec.setdefault("t_ns", time.time_ns())
-            self._event_log.write(json.dumps(rec, separators=(",", ":")) + "\n")
+            try:
+                self._event_log.write(json.dumps(rec, separators=(",", ":")) + "\n")
+            except OSError as e:
+                # Acted on after the event being applied (an error-check round): the others
+                # may have recorded it.
+                self._write_failed = str(e)
 
     def status(self, with_digest: bool = False) -> dict[str, Any]:
         b = self.broker
@@ -1037,11 +1304,30 @@ class ClusterNode(Node):
         )
         if self.suspended is not None:
             out["suspended"] = self.suspended
+        out["error_checks"] = {
+            "held_at": None if self.stalled is None else self.stalled[0],
+            "pending": {
+                str(seq): {
+                    "outcomes": {str(m): o for m, o in sorted(r.got.items())},
+                    "waiting_for": self.error_rounds.waiting_for(seq),
+                }
+                for seq, r in sorted(self.error_rounds.pending.items())
+            },
+            "decided": [r.as_dict() for r in self.rounds],
+        }
+        if self.faults:
+            out["injected_faults"] = dict(self.faults)
+        if self.halted is not None:
+            out["stopping"] = {"scope": self.halt_scope, "seq": self.halted}
         return out
 
     def _state_name(self) -> str:
         if self.suspended is not None:
             return "suspended"
+        if self.halted is not None:
+            return "stopping"
+        if self.stalled is not None:
+            return "error-check"
         if self.membership.state == NEEDS_UPDATE:
             return "updating" if self.update_progress is not None else "needs-update"
         if self._installed and not self.ready.is_set():
@@ -1049,9 +1335,10 @@ class ClusterNode(Node):
         return self.membership.state
 
     def close(self) -> None:
-        if self._event_log is not None:
-            self._event_log.close()
-            self._event_log = None
+        f, self._event_log = self._event_log, None
+        if f is not None:
+            with contextlib.suppress(OSError):  # a full disk: what it could not flush is lost
+                f.close()
 
 
 async def open_update_listeners(update_listen: str, url: str) -> list[trio.SocketListener]:
@@ -1091,6 +1378,7 @@ class MemberProcess:
         self.stop = trio.Event()
         # (model, ring seq) kept from an incarnation that served until quorum was lost.
         self.kept: tuple[Broker, int] | None = None
+        self.watchdog: Any = None
 
     def status(self, with_digest: bool = False) -> dict[str, Any]:
         node = self.node
@@ -1111,9 +1399,45 @@ class MemberProcess:
             }
         out["incarnations"] = self.incarnations
         out["refused_connections"] = self.refused
+        out["watchdog"] = (
+            None
+            if self.watchdog is None
+            else {"pid": self.watchdog.pid, "timeout": self.cluster.watchdog_timeout}
+        )
         if self.last_suspension is not None:
             out["last_suspension"] = self.last_suspension
         return out
+
+    async def control(self, path: str, args: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """``POST /stop`` {"member": ID} (none: the whole cluster) and ``POST /faults``
+        {"kind", "at_seq"} from the status endpoint."""
+        node = self.node
+        if node is None or not node.serving or node.halted is not None:
+            return 409, {"error": f"this member does not serve ({self.phase}): ask another"}
+        try:
+            if path == "/stop":
+                target = int(args.get("member") or 0)
+                seq = await node.request_stop(target)
+                return 202, {"stopping": target if target else "cluster", "at_seq": seq}
+            if path == "/faults":
+                if not self.cluster.fault_injection:
+                    return 403, {"error": "fault injection is off ([cluster] fault_injection)"}
+                return 200, node.inject_fault(
+                    str(args.get("kind")), int(args.get("at_seq") or node.broker.event_seq + 1)
+                )
+        except (ClusterError, ValueError, TypeError) as e:
+            return 400, {"error": str(e)}
+        except trio.TooSlowError:
+            return 409, {"error": "the request was not delivered back in time"}
+        return 404, {"error": f"no control request {path}"}
+
+    async def feed_watchdog(self) -> None:
+        """Signs of life for the watchdog process, from the event loop that processes the
+        stream: if that loop blocks or the process stops, the feeding stops."""
+        period = self.cluster.watchdog_timeout / 5
+        while True:
+            watchdog.feed(self.watchdog)
+            await trio.sleep(period)
 
     async def handle_client(self, stream: trio.SocketStream) -> None:
         node = self.node
@@ -1140,7 +1464,11 @@ class MemberProcess:
         async with trio.open_nursery() as outer:
             if config.admin_listen:
                 # Before readiness: ``status`` shows a joining member's quorum and progress.
-                await outer.start(admin.serve_admin, config.admin_listen, self.status)
+                await outer.start(admin.serve_admin, config.admin_listen, self.status, self.control)
+            if cluster.watchdog_timeout > 0:
+                self.watchdog = watchdog.spawn(cluster.watchdog_timeout)
+                log.info("watchdog pid=%s timeout=%gs", self.watchdog.pid, cluster.watchdog_timeout)
+                outer.start_soon(self.feed_watchdog)
 
             async def on_signal() -> None:
                 signum = await wait_for_signal()
@@ -1177,6 +1505,15 @@ class MemberProcess:
             outer.cancel_scope.cancel()
         for lst in listeners:
             await lst.aclose()
+
+    def close_watchdog(self) -> None:
+        """A member that exits on purpose tells its watchdog so (EOF) rather than starve it."""
+        w, self.watchdog = self.watchdog, None
+        if w is not None:
+            with contextlib.suppress(OSError):
+                w.stdin.close()
+            with contextlib.suppress(Exception):
+                w.wait(2)
 
     async def _check_quorum_policy(self) -> None:
         """Refuse votequorum settings under which two sides of a split both stay quorate."""
@@ -1287,9 +1624,18 @@ class MemberProcess:
                         self.kept = None  # serving again: the kept state was resumed or replaced
                         self.phase = "ready"
                         log.info("serving clients (incarnation %d)", self.incarnations)
-                        await self.stop.wait()
-                        log.info("stopping member=%s", me)
-                        await node.shutdown_clients(config.shutdown_grace)
+                        await _first_of(self.stop, node.stop_requested)
+                        if node.halted is not None:
+                            # A stop request: this member stops where the stream said.
+                            await node.finish_stop()
+                            with trio.move_on_after(config.shutdown_grace):
+                                while node.local:  # clients read their close and go
+                                    await trio.sleep(0.02)
+                            self.phase = "stopped"
+                            self.stop.set()
+                        else:
+                            log.info("stopping member=%s", me)
+                            await node.shutdown_clients(config.shutdown_grace)
                         nursery.cancel_scope.cancel()
             finally:
                 unregister()
@@ -1340,6 +1686,17 @@ class MemberProcess:
     bound: list[tuple[str, int]] = []
 
 
+async def _first_of(*events: trio.Event) -> None:
+    async with trio.open_nursery() as nursery:
+
+        async def wait(ev: trio.Event) -> None:
+            await ev.wait()
+            nursery.cancel_scope.cancel()
+
+        for ev in events:
+            nursery.start_soon(wait, ev)
+
+
 async def refuse(stream: trio.SocketStream, text: str) -> None:
     """Turn away a client while this member does not serve: read its protocol header, answer
     connection.close 320 with the reason (clients report it; failover clients move on), close."""
@@ -1366,4 +1723,8 @@ async def serve_member(
     # CPG messages and page-faults it back for the next (measured in docs/performance.md).
     tune_malloc()
     async with open_quorum(netns=cluster.netns or None) as quorum:
-        await MemberProcess(config, quorum).run(task_status=task_status)
+        process = MemberProcess(config, quorum)
+        try:
+            await process.run(task_status=task_status)
+        finally:
+            process.close_watchdog()

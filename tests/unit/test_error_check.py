@@ -1,0 +1,294 @@
+"""Error-check rounds, stop requests and the watchdog process.
+
+The rounds run in real ``ClusterNode``s on the in-memory total-order bus: a member that fails
+to apply (or record) an event holds there, every member votes its outcome for that event, and
+the majority decides who leaves; the members that stay hold equal state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import trio
+from pamqp import commands
+
+from cpgbroker.cluster.errorcheck import ErrorRounds, majority
+from cpgbroker.model import snapshot
+from cpgbroker.model.events import ClientData, Tick
+from cpgbroker.runtime.member import ClusterNode
+from nodeharness import (
+    Client,
+    acks,
+    close_sockets,
+    open_confirm_channel,
+    publish_bytes,
+    start,
+    until,
+)
+
+_close_sockets = close_sockets
+
+
+# ---------------------------------------------------------------------- the vote (pure)
+
+
+def test_majority_wins_and_a_tie_goes_to_the_lowest_member() -> None:
+    assert majority({1: b"ok", 2: b"ok", 3: b"err"}) == (b"ok", (3,))
+    assert majority({1: b"ok", 2: b"err", 3: b"err"}) == (b"err", (1,))
+    assert majority({5: b"err", 9: b"ok"}) == (b"err", (9,))
+    assert majority({5: b"ok", 9: b"err"}) == (b"ok", (9,))
+
+
+def test_round_waits_for_every_voter_and_voters_are_fixed_when_it_opens() -> None:
+    r = ErrorRounds()
+    assert r.record(10, 2, "apply-error: x", [1, 2, 3]) is None
+    assert r.waiting_for(10) == [1, 3]
+    # Member 4 became ready after the round opened: its answer does not count.
+    assert r.record(10, 4, "ok", [1, 2, 3, 4]) is None
+    assert r.record(10, 1, "ok", [1, 2, 3, 4]) is None
+    done = r.record(10, 3, "ok", [1, 2, 3, 4])
+    assert done is not None
+    assert (done.decision, done.losers) == ("ok", (2,))
+    assert done.outcomes == ((1, "ok"), (2, "apply-error: x"), (3, "ok"))
+    assert not r.pending
+
+
+def test_a_voter_that_leaves_no_longer_counts() -> None:
+    r = ErrorRounds()
+    r.record(7, 1, "store-write: full", [1, 2, 3])
+    r.record(7, 2, "ok", [1, 2, 3])
+    (done,) = r.members_left([3])
+    # One against one: the lowest member id's outcome wins.
+    assert (done.decision, done.losers, done.gone) == ("store-write: full", (2,), (3,))
+
+
+# ---------------------------------------------------------------------- members on the bus
+
+
+def confirmed(client: Client) -> int:
+    """The highest delivery tag confirmed (acks may confirm several at once)."""
+    return max((m.delivery_tag for m in acks(client)), default=0)
+
+
+def digests(nodes: list[ClusterNode]) -> set[bytes]:
+    return {snapshot.digest_bytes(n.broker) for n in nodes}
+
+
+async def traffic(node: ClusterNode, client: Client, n: int) -> None:
+    for i in range(n):
+        await node.submit(ClientData(client.lc.id, publish_bytes(b"m%d" % i)))
+
+
+async def test_an_error_on_one_member_makes_it_leave_and_the_others_continue_equal() -> None:
+    async with trio.open_nursery() as nursery:
+        nodes, _cpgs = await start(nursery, 3)
+        a, b, c = nodes
+        client = await open_confirm_channel(a)
+        at = a.broker.event_seq + 5
+        c.inject_fault("apply-error", at)
+        await traffic(a, client, 20)
+        await until(lambda: c.failed.is_set())
+        assert c.failure is not None and "lost to the majority" in c.failure
+        await until(lambda: a.broker.event_seq == b.broker.event_seq and confirmed(client) == 20)
+        assert len(digests([a, b])) == 1
+        for n in (a, b):
+            (r,) = n.rounds
+            assert r.seq == at and r.decision == "ok" and r.losers == (c.member,)
+            assert dict(r.outcomes)[c.member].startswith("apply-error: InjectedFault")
+            assert n.stalled is None and not n.error_rounds.pending
+        # The client saw nothing: every message is queued, every publish confirmed.
+        assert len(a.broker.vhosts["/"].queues["q"].messages) == 20
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_same_error_on_two_of_three_makes_the_odd_member_leave() -> None:
+    async with trio.open_nursery() as nursery:
+        nodes, _cpgs = await start(nursery, 3)
+        a, b, c = nodes
+        client = await open_confirm_channel(a)
+        other = await open_confirm_channel(b)
+        # The failed event is a publish from ``client``: the members that stay close that
+        # connection (541) the same way, and no more.
+        at = a.broker.event_seq + 1
+        a.inject_fault("apply-error", at)
+        b.inject_fault("apply-error", at)
+        await traffic(a, client, 3)
+        await until(lambda: c.failed.is_set())
+        assert c.failure is not None and "lost to the majority" in c.failure
+        await traffic(b, other, 5)
+        await until(lambda: a.broker.event_seq == b.broker.event_seq and confirmed(other) == 5)
+        assert len(digests([a, b])) == 1
+        (r,) = a.rounds
+        assert r.losers == (c.member,) and r.decision.startswith("apply-error")
+        closes = [m for m in client.methods() if isinstance(m, commands.Connection.Close)]
+        assert [m.reply_code for m in closes] == [541]
+        assert acks(client) == []
+        assert other.lc.id in a.broker.connections, "other connections are untouched"
+        q = a.broker.vhosts["/"].queues["q"]
+        assert len(q.messages) == 5, "nothing after the failed publish on its connection"
+        nursery.cancel_scope.cancel()
+
+
+async def test_events_delivered_during_the_round_are_applied_in_order_afterwards() -> None:
+    async with trio.open_nursery() as nursery:
+        nodes, _cpgs = await start(nursery, 3)
+        a, _b, _c = nodes
+        client = await open_confirm_channel(a)
+        await until(lambda: len({n.broker.event_seq for n in nodes}) == 1)
+        at = a.broker.event_seq + 1
+        for n in nodes:  # every member fails alike (a deterministic bug): nobody leaves
+            n.inject_fault("apply-error", at)
+        # The tick fails; the publishes behind it in the stream wait on every member until
+        # the round is decided, then apply in order.
+        await a.submit(Tick(10**12))
+        await traffic(a, client, 10)
+        await until(lambda: confirmed(client) == 10)
+        await until(lambda: len({n.broker.event_seq for n in nodes}) == 1)
+        assert a.broker.event_seq == at + 10
+        assert len(digests(nodes)) == 1
+        assert all(not n.failed.is_set() and len(n.rounds) == 1 for n in nodes)
+        assert a.rounds[0].losers == () and a.rounds[0].decision.startswith("apply-error")
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_member_that_cannot_write_its_event_log_leaves(tmp_path: Path) -> None:
+    async with trio.open_nursery() as nursery:
+        nodes, _cpgs = await start(
+            nursery, 3, event_log=lambda nid: str(tmp_path / f"m{nid}.jsonl")
+        )
+        a, b, c = nodes
+        client = await open_confirm_channel(a)
+        at = b.inject_fault("disk-full", a.broker.event_seq + 3)["at_seq"]
+        await traffic(a, client, 10)
+        await until(lambda: b.failed.is_set())
+        assert b.failure is not None and "store-write" in b.failure
+        await until(lambda: confirmed(client) == 10)
+        assert len(digests([a, c])) == 1
+        for n in nodes:
+            n.close()
+        recs = [json.loads(x) for x in (tmp_path / "m1.jsonl").read_text().splitlines()]
+        (round_rec,) = [r for r in recs if r["type"] == "error-check"]
+        assert round_rec["seq"] == at and round_rec["leaving"] == [b.member]
+        nursery.cancel_scope.cancel()
+
+
+def test_fault_injection_checks_its_arguments() -> None:
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            (a,), _ = await start(nursery, 1)
+            with pytest.raises(Exception, match="unknown fault kind"):
+                a.inject_fault("meteor", 5)
+            with pytest.raises(Exception, match="no \\[cluster\\] event_log"):
+                a.inject_fault("disk-full", 5)
+            # A point already passed fires at the next event.
+            assert a.inject_fault("apply-error", 0)["at_seq"] == a.broker.event_seq + 1
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+# ---------------------------------------------------------------------- stop requests
+
+
+async def test_cluster_stop_halts_every_member_at_the_same_event() -> None:
+    async with trio.open_nursery() as nursery:
+        nodes, _cpgs = await start(nursery, 3)
+        a, b, _c = nodes
+        client = await open_confirm_channel(a)
+        await traffic(a, client, 5)
+        stop = nursery.start_soon
+        seqs: list[int] = []
+
+        async def ask() -> None:
+            seqs.append(await b.request_stop(0))
+
+        stop(ask)
+        await traffic(a, client, 50)  # keeps coming while the request travels
+        await until(lambda: bool(seqs) and all(n.stop_requested.is_set() for n in nodes))
+        assert {n.halted for n in nodes} == {seqs[0]}
+        assert len(digests(nodes)) == 1
+        # Nothing is applied after the stop point, and clients are told to go after the
+        # confirms the stop point made stable.
+        await trio.sleep(0.05)
+        assert {n.broker.event_seq for n in nodes} == {seqs[0]}
+        with trio.fail_after(5):
+            await a.finish_stop()
+        closes = [m for m in client.methods() if isinstance(m, commands.Connection.Close)]
+        assert (
+            closes and closes[-1].reply_code == 320 and "cluster shutdown" in closes[-1].reply_text
+        )
+        queued = len(a.broker.vhosts["/"].queues["q"].messages)
+        assert confirmed(client) == queued, "every publish before the stop point is confirmed"
+        nursery.cancel_scope.cancel()
+
+
+async def test_member_stop_stops_only_that_member() -> None:
+    async with trio.open_nursery() as nursery:
+        nodes, _cpgs = await start(nursery, 3)
+        a, b, c = nodes
+        seq = await a.request_stop(c.member)
+        await until(lambda: c.stop_requested.is_set())
+        assert c.halted == seq and a.halted is None and b.halted is None
+        with pytest.raises(Exception, match="no serving member"):
+            await a.request_stop(12345)
+        nursery.cancel_scope.cancel()
+
+
+# ---------------------------------------------------------------------- watchdog
+
+
+def test_watchdog_kills_a_member_that_stops_feeding_it() -> None:
+    # A stand-in member: a process that spawns its watchdog, feeds it once, then hangs.
+    code = (
+        "import time, sys\n"
+        "from cpgbroker.runtime import watchdog\n"
+        "w = watchdog.spawn(1.0)\n"
+        "watchdog.feed(w)\n"
+        "print(w.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    t0 = time.monotonic()
+    with subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        wpid = int(proc.stdout.readline())
+        proc.wait(15)
+        assert proc.returncode == -signal.SIGKILL
+        assert 1.0 <= time.monotonic() - t0 < 10
+        assert b"processed no events" in proc.stderr.read()
+    _gone(wpid)
+
+
+def test_watchdog_leaves_a_fed_member_alone_and_exits_with_it() -> None:
+    code = (
+        "import time\n"
+        "from cpgbroker.runtime import watchdog\n"
+        "w = watchdog.spawn(0.5)\n"
+        "print(w.pid, flush=True)\n"
+        "for _ in range(20):\n"
+        "    watchdog.feed(w); time.sleep(0.1)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, timeout=30, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    _gone(int(proc.stdout.split()[0]))
+
+
+def _gone(pid: int) -> None:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"watchdog {pid} outlived its member")
