@@ -246,6 +246,22 @@ class BrokerSet:
         except (urllib.error.URLError, OSError, ValueError):
             return None
 
+    def control(self, nodeid: int, path: str, args: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """POST a control request (``/stop``, ``/faults``) to a member's status endpoint; the
+        HTTP status and the JSON answer."""
+        url = self.admin(nodeid).rsplit("/", 1)[0] + path
+        req = urllib.request.Request(
+            url,
+            data=json.dumps(args).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=15) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
     def converged(self, nodes: list[int], timeout: float = 20.0) -> str:
         """Wait until ``nodes`` applied the same events and hold the same state; the digest.
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from typing import Any
 
 import pika
+import pika.exceptions
 
 from cpgbroker.devbrokers import BrokerSet
 
@@ -40,6 +42,22 @@ def wait_state(bs: BrokerSet, node: int, pred: Any, timeout: float = 30.0) -> di
         time.sleep(0.02)
 
 
+def assert_serves(bs: BrokerSet, publish_on: int, consume_on: int, queue: str, n: int) -> None:
+    """``n`` confirmed publishes on one member all reach a consumer on another."""
+    cp = connect(bs, publish_on)
+    chp = cp.channel()
+    chp.confirm_delivery()
+    chp.queue_declare(queue)
+    for i in range(n):
+        chp.basic_publish("", queue, b"%d" % i)
+    cc = connect(bs, consume_on)
+    chc = cc.channel()
+    got: list[bytes] = []
+    chc.basic_consume(queue, lambda c, m, p, b: (got.append(b), c.basic_ack(m.delivery_tag)))
+    drain(cc, lambda: len(got) >= n)
+    assert sorted(got, key=int) == [b"%d" % i for i in range(n)]
+
+
 def queues(bs: BrokerSet, node: int) -> dict:
     s = bs.status(node)
     assert s is not None
@@ -56,3 +74,62 @@ def close_all() -> None:
                 conn.close()
         with contextlib.suppress(Exception):
             conn._impl._transport._sock.close()  # the member may have died under it
+
+
+class ConfirmingPublisher(threading.Thread):
+    """A publisher with confirms that fails over: it publishes ``<name>-<i>`` to ``queue`` on
+    the first of ``nodes``, one confirmed publish at a time, and when its connection is
+    closed or lost it records why and goes on at the next member in the list. ``confirmed``
+    holds every body the broker confirmed."""
+
+    def __init__(self, bs: BrokerSet, nodes: list[int], queue: str, name: str = "p") -> None:
+        super().__init__(daemon=True)
+        self.bs, self.nodes, self.queue, self.name = bs, nodes, queue, name
+        self.confirmed: list[bytes] = []
+        self.closes: list[tuple[int, int | None, str]] = []  # (node, reply code, text)
+        self.stopping = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        i = 0
+        k = 0
+        try:
+            while not self.stopping.is_set():
+                node = self.nodes[k % len(self.nodes)]
+                try:
+                    conn = connect(self.bs, node)
+                    ch = conn.channel()
+                    ch.confirm_delivery()
+                    ch.queue_declare(self.queue)
+                    while not self.stopping.is_set():
+                        body = b"%s-%d" % (self.name.encode(), i)
+                        i += 1
+                        ch.basic_publish("", self.queue, body)
+                        self.confirmed.append(body)
+                except pika.exceptions.AMQPError as e:
+                    code = getattr(e, "reply_code", None)
+                    self.closes.append((node, code, repr(e)))
+                    k += 1
+                    time.sleep(0.1)
+        except BaseException as e:  # reported by stop()
+            self.error = e
+
+    def stop(self) -> list[bytes]:
+        self.stopping.set()
+        self.join(30)
+        assert not self.is_alive(), "publisher did not stop"
+        if self.error is not None:
+            raise self.error
+        return self.confirmed
+
+
+def drain_queue(bs: BrokerSet, node: int, queue: str) -> list[bytes]:
+    """Every message in ``queue``, taken (and acked) on ``node`` until it is empty."""
+    conn = connect(bs, node)
+    ch = conn.channel()
+    got: list[bytes] = []
+    while True:
+        method, _props, body = ch.basic_get(queue, auto_ack=True)
+        if method is None:
+            return got
+        got.append(body)

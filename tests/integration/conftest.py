@@ -14,6 +14,7 @@ Fixtures:
   stopped ones resumed, partitions healed, full quorum), so a test may break it freely.
 * ``brokers``: a fresh 3-member broker cluster (its own CPG group) on ``cluster``; every
   pika connection opened through ``brokerclients.connect`` is closed after each test.
+  ``broker_set(**options)`` makes one with other ``BrokerSet`` options (extra configuration).
 * ``cpg_on``: factory ``cpg_on(node, group=None) -> Cpg`` for a joined handle opened inside a
   node's namespace from this process; closed after the test.
 """
@@ -128,17 +129,29 @@ def dispatch_until() -> Callable[..., bool]:
 
 
 @pytest.fixture
-def brokers(cluster: DevCluster) -> Iterator[BrokerSet]:
-    """A fresh 3-member broker cluster (its own CPG group) on the shared corosync cluster."""
-    group = f"t{uuid.uuid4().hex[:10]}"
-    bs = BrokerSet(cluster, group=group, name=f"broker-{group}")
-    try:
+def broker_set(cluster: DevCluster) -> Iterator[Callable[..., BrokerSet]]:
+    """``broker_set(**BrokerSet options)``: a fresh, ready 3-member broker cluster (its own CPG
+    group) on the shared corosync cluster; stopped after the test."""
+    made: list[BrokerSet] = []
+
+    def make(**options: object) -> BrokerSet:
+        group = f"t{uuid.uuid4().hex[:10]}"
+        bs = BrokerSet(cluster, group=group, name=f"broker-{group}", **options)  # type: ignore[arg-type]
+        made.append(bs)
         bs.start_all(timeout=60)
-        yield bs
-    finally:
+        return bs
+
+    yield make
+    for bs in made:
         bs.stop_all()
         for n in (1, 2, 3):  # shown by pytest only when the test failed
             print(f"--- broker {n} log\n{bs.tail(n, 40)}")
+
+
+@pytest.fixture
+def brokers(broker_set: Callable[..., BrokerSet]) -> BrokerSet:
+    """A fresh 3-member broker cluster with the default configuration."""
+    return broker_set()
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ from typing import Any
 import pika
 import pika.exceptions
 import pytest
-from brokerclients import connect, drain, queues, wait_state
+from brokerclients import assert_serves, connect, queues, wait_state
 
 from cpgbroker.devbrokers import BrokerSet
 from cpgbroker.devcluster import DevCluster
@@ -33,21 +33,6 @@ def assert_refused(bs: BrokerSet, node: int) -> None:
     with pytest.raises(pika.exceptions.AMQPConnectionError) as info:
         connect(bs, node)
     assert "not in a quorate partition" in repr(info.value), repr(info.value)
-
-
-def assert_serves(bs: BrokerSet, publish_on: int, consume_on: int, queue: str, n: int) -> None:
-    cp = connect(bs, publish_on)
-    chp = cp.channel()
-    chp.confirm_delivery()
-    chp.queue_declare(queue)
-    for i in range(n):
-        chp.basic_publish("", queue, b"%d" % i)
-    cc = connect(bs, consume_on)
-    chc = cc.channel()
-    got: list[bytes] = []
-    chc.basic_consume(queue, lambda c, m, p, b: (got.append(b), c.basic_ack(m.delivery_tag)))
-    drain(cc, lambda: len(got) >= n)
-    assert sorted(got, key=int) == [b"%d" % i for i in range(n)]
 
 
 def test_partitioned_member_stops_serving_and_rejoins_through_an_update(
