@@ -88,7 +88,7 @@ def test_an_error_on_one_member_under_load_makes_it_leave(
         (r,) = s["error_checks"]["decided"]
         assert r["seq"] == at and r["decision"] == "ok" and r["leaving"] == [leaving]
         assert r["outcomes"][str(leaving)].startswith(
-            "apply-error: InjectedFault" if kind == "apply-error" else "store-write: [Errno 28]"
+            "apply-error: InjectedFault" if kind == "apply-error" else "store-write: ENOSPC"
         )
         assert [m["member"] for m in s["members"]] != [] and leaving not in [
             m["member"] for m in s["members"]

@@ -28,7 +28,27 @@ MAX_REQUEST = 8192
 
 # POST path, JSON body -> (HTTP status, JSON answer)
 Control = Callable[[str, dict[str, Any]], Awaitable[tuple[int, dict[str, Any]]]]
-_REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 403: "Forbidden", 404: "Not Found"}
+_REASONS = {
+    200: "OK",
+    202: "Accepted",
+    400: "Bad Request",
+    403: "Forbidden",
+    404: "Not Found",
+    409: "Conflict",
+    500: "Internal Server Error",
+}
+# A control request waits for its multicast to come back (``ClusterNode.request_stop``: 10 s).
+REQUEST_TIMEOUT = 20
+
+
+def json_int(args: dict[str, Any], key: str, default: int) -> int:
+    """A non-negative integer argument of a control request (JSON numbers only)."""
+    v = args.get(key, default)
+    if v is None:
+        return default
+    if type(v) is not int or not 0 <= v < 1 << 63:
+        raise ValueError(f"{key} must be a non-negative integer, not {v!r}")
+    return v
 
 
 def _split_request(request: bytes) -> tuple[list[str], bytes, int]:
@@ -56,7 +76,7 @@ async def serve_admin(
 
     async def handle(stream: trio.SocketStream) -> None:
         try:
-            with trio.move_on_after(5):
+            with trio.move_on_after(REQUEST_TIMEOUT):
                 request = b""
                 while b"\r\n\r\n" not in request and len(request) < MAX_REQUEST:
                     chunk = await stream.receive_some(4096)
@@ -69,6 +89,7 @@ async def serve_admin(
                     if not chunk:
                         break
                     payload += chunk
+                payload = payload[:length]
                 path, _, query = line[1].partition("?") if len(line) >= 2 else ("", "", "")
                 answer: Any
                 if line and line[0] == "GET" and path in ("/", "/status"):
@@ -79,10 +100,15 @@ async def serve_admin(
                         args = json.loads(payload or b"{}")
                         if not isinstance(args, dict):
                             raise ValueError("not a JSON object")
-                    except ValueError as e:
+                    except (ValueError, RecursionError) as e:
                         http, answer = 400, {"error": f"the body is not a JSON object: {e}"}
                     else:
-                        http, answer = await control(path, args)
+                        try:
+                            http, answer = await control(path, args)
+                        except Exception as e:
+                            # Whatever a request does wrong, the member goes on serving.
+                            log.exception("control request %s failed", path)
+                            http, answer = 500, {"error": f"{type(e).__name__}: {e}"}
                 else:
                     http, answer = 404, {"error": "GET /status, or POST /stop on a member"}
                 body = json.dumps(answer, indent=2, default=str).encode()

@@ -124,6 +124,15 @@ class InjectedFault(Exception):
     """A failure a test asked for (``POST /faults``): stands for an unexpected exception."""
 
 
+@attrs.frozen
+class _DeferredUpdate:
+    """An update request a held member serves when its replay reaches the request's point,
+    with the membership as it was at that point."""
+
+    request: UpdateRequest
+    members: list[list[Any]]
+
+
 _TYPE_NAMES = {
     "ClientData": "data",
     "ClientConnected": "connect",
@@ -243,6 +252,8 @@ class ClusterNode(Node):
         # Stream items delivered after our request: (event, sender), or (CPG item, None).
         self._buffer: collections.deque[tuple[Any, int | None]] | None = None
         self._installed = False
+        # (seq, updater) of the state installed, for error-check rounds that cross it.
+        self._installed_from: tuple[int, int] | None = None
         self._installed_evt = trio.Event()
         self._excluded: dict[int, None] = {}  # updaters that failed us (order kept)
         self._receive_scope: trio.CancelScope | None = None
@@ -263,7 +274,7 @@ class ClusterNode(Node):
         self._owed: list[int] = []
         self.rounds: collections.deque[Round] = collections.deque(maxlen=ROUNDS_SHOWN)
         # A local write failed (the event log today): why. Checked after every event.
-        self._write_failed: str | None = None
+        self._write_failed: OSError | None = None
         # Injected faults, kind -> the event seq they fire at (tests only).
         self.faults: dict[str, int] = {}
         # -- stop requests: the event seq this member stopped at, and who asked.
@@ -459,7 +470,7 @@ class ClusterNode(Node):
         ready = self.membership.ready_members
         if not ready:
             return 0
-        seq = self.broker.event_seq
+        seq = self.applied_seq()
         return min(seq if m == self.member else self._applied.get(m, 0) for m in ready)
 
     def _report_for_confirms(self) -> None:
@@ -472,7 +483,12 @@ class ClusterNode(Node):
         """Our progress as of now (at least the events that asked for it), for the sender."""
         self._report_wanted = False
         self._reported_at = time.monotonic()
-        return codec.encode(Progress(self.member, self.broker.event_seq))
+        return codec.encode(Progress(self.member, self.applied_seq()))
+
+    def applied_seq(self) -> int:
+        """The last event this member vouches for: while it is held at a failed event, the
+        one before (the failed one may yet be undone by the round's decision)."""
+        return self.broker.event_seq if self.stalled is None else self.stalled[0] - 1
 
     def _release_stable(self) -> None:
         stable = self.stable_seq()
@@ -621,7 +637,10 @@ class ClusterNode(Node):
             return
         if t is StopRequest:
             if self.membership.state == READY:
-                self._on_stop_request(e)
+                if self.stalled is not None:
+                    self._stall_buf.append((e, sender))  # it takes effect at its point
+                else:
+                    self._on_stop_request(e)
             return
         if self.membership.state != READY:
             return  # not serving yet: the members that serve started from the state we lack
@@ -653,7 +672,7 @@ class ClusterNode(Node):
         except Exception as exc:
             # Counted as applied either way: the members that continue agree on the count.
             self.broker.event_seq = seq
-            self._local_error(seq, f"apply-error: {type(exc).__name__}: {exc}", e, sender)
+            self._local_error(seq, f"apply-error: {type(exc).__name__}", str(exc), e, sender)
             return
         if type(e) is ClientConnected and e.member != self.member:
             self.broker.set_emit(e.conn, False)
@@ -667,7 +686,7 @@ class ClusterNode(Node):
         if self._event_log is not None:
             at = self.faults.get("disk-full")
             if at is not None and self.broker.event_seq >= at:
-                self._write_failed = str(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+                self._write_failed = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             else:
                 self._log_event(
                     _TYPE_NAMES.get(type(e).__name__, type(e).__name__),
@@ -678,8 +697,10 @@ class ClusterNode(Node):
             if self._write_failed is not None:
                 # This member could not record the event: the others may have. Whether it
                 # may go on is the cluster's call.
+                err = self._write_failed
+                name = errno.errorcode.get(err.errno or 0, "EIO")
                 self._local_error(
-                    self.broker.event_seq, f"store-write: {self._write_failed}", e, sender
+                    self.broker.event_seq, f"store-write: {name}", str(err), e, sender
                 )
                 return
         self._report_and_digest()
@@ -906,12 +927,6 @@ class ClusterNode(Node):
             self._buffer = collections.deque()
             self._request_delivered.set()
             return
-        if e.updater == self.member and self.stalled is not None:
-            # Our model is behind the stream until the round is decided: take the snapshot
-            # when the replay reaches this request (if we leave instead, the newcomer asks
-            # another member).
-            self._stall_buf.append((e, e.member))
-            return
         me = self.membership.members.get(self.member)
         if (
             e.updater != self.member
@@ -919,13 +934,26 @@ class ClusterNode(Node):
             or me is None
             or me.status != STATUS_READY
             or e.member not in self.membership.members
+            # A stopping member's model ends before the request's point: the newcomer asks
+            # another member once this one has left.
+            or self.halted is not None
         ):
             return
+        members = self.membership.export()
+        if self.stalled is not None:
+            # Our model is behind the stream until the round is decided: take the snapshot
+            # when the replay reaches this request, with the membership of the request's
+            # point (if we leave instead, the newcomer asks another member).
+            self._stall_buf.append((_DeferredUpdate(e, members), e.member))
+            return
+        self._fork_updater(e, members)
+
+    def _fork_updater(self, e: UpdateRequest, members: list[list[Any]]) -> None:
         pid = update.fork_updater(
             e.address,
             e.token,
             self.broker,
-            self.membership.export(),
+            members,
             self.member,
             e.member,
             self.cluster_cfg.update_rate_limit,
@@ -997,6 +1025,7 @@ class ClusterNode(Node):
             self._install(broker, members, progress)
 
     def _install(self, broker: Broker, members: list[list[Any]], p: update.UpdateProgress) -> None:
+        self._installed_from = (broker.event_seq, p.updater)
         self.broker = broker
         self.membership.adopt(members)
         self._installed = True
@@ -1068,23 +1097,33 @@ class ClusterNode(Node):
 
     # ------------------------------------------------------------------ error-check rounds
 
-    def _local_error(self, seq: int, outcome: str, e: Any, sender: int) -> None:
+    def _local_error(self, seq: int, outcome: str, detail: str, e: Any, sender: int) -> None:
         """This member failed to apply (or record) event ``seq`` and the stream does not say
-        why: stop applying here and let the cluster decide (cluster/errorcheck.py)."""
-        outcome = outcome[:200]
+        why: stop applying here and let the cluster decide (cluster/errorcheck.py).
+
+        ``outcome`` is what members vote on: the kind and the exception class or errno name,
+        never the message (which may hold addresses or paths that differ between members
+        failing alike); ``detail`` goes to the logs."""
         if self.member not in self.membership.ready_members:
             # Not serving yet (catching up after an update): nobody relies on this member.
-            raise ClusterError(f"failed at event {seq} while catching up: {outcome}")
+            raise ClusterError(f"failed at event {seq} while catching up: {outcome}: {detail}")
         log.error(
-            "error at event %s: %s; holding until the error-check round decides", seq, outcome
+            "error at event %s: %s (%s); holding until the error-check round decides",
+            seq,
+            outcome,
+            detail,
         )
         self.stalled = (seq, outcome, e, sender)
         self._answered.add(seq)
-        self._write_log({"type": "error", "seq": seq, "outcome": outcome})
+        if seq in self._owed:
+            self._owed.remove(seq)  # our answer is this error, not "ok"
+        self._write_log({"type": "error", "seq": seq, "outcome": outcome, "detail": detail[:500]})
         self._queue_control(codec.encode(ErrorCheck(self.member, seq, outcome)))
 
     def _on_error_check(self, e: ErrorCheck) -> None:
         ready = self.membership.ready_members
+        if self.halted is not None and e.seq > self.halted:
+            return  # never applied it, and leaving: the round goes on without this member
         if e.member in ready and e.seq not in self._answered and self.member in ready:
             # Every member that delivers this has delivered event e.seq before it; it has
             # applied it unless it is itself held at an earlier error.
@@ -1120,6 +1159,21 @@ class ClusterNode(Node):
                 f"majority's ({r.decision}); leaving"
             )
         stalled = self.stalled
+        if (
+            r.decision.startswith("apply-error")
+            and self.member not in dict(r.outcomes)
+            and self.halted is None
+        ):
+            # Not asked (it became ready after the round opened): its state has the event the
+            # cluster decided failed applied, unless it came in a state update from a member
+            # that had failed it too.
+            src = self._installed_from
+            if src is None or src[0] < r.seq or src[1] in r.losers:
+                raise ClusterError(
+                    f"error-check at event {r.seq}: the cluster failed that event, which this "
+                    "member has applied (it was catching up); leaving: start it again to take "
+                    "a fresh state update"
+                )
         if stalled is None or stalled[0] != r.seq:
             return
         _seq, outcome, e, sender = stalled
@@ -1144,8 +1198,11 @@ class ClusterNode(Node):
         buf = self._stall_buf
         while buf and self.stalled is None and self.halted is None:
             e, sender = buf.popleft()
-            if type(e) is UpdateRequest:
-                self._on_update_request(e)
+            t = type(e)
+            if t is _DeferredUpdate:
+                self._fork_updater(e.request, e.members)
+            elif t is StopRequest:
+                self._on_stop_request(e)
             else:
                 self._apply_stream(e, sender)
 
@@ -1187,6 +1244,9 @@ class ClusterNode(Node):
             return
         self.halted = self.broker.event_seq
         self.halt_scope = "cluster" if e.target == 0 else "member"
+        # Client events queued but not yet multicast would follow the stop point.
+        self._out.clear()
+        self._out_bytes = 0
         digest = snapshot.digest_bytes(self.broker).hex()
         log.warning(
             "stop requested by member %s: %s stop at event %s digest=%s",
@@ -1205,14 +1265,14 @@ class ClusterNode(Node):
             }
         )
         # Our last report: confirms up to the stop point become stable on the others.
-        self._queue_control(codec.encode(Progress(self.member, self.halted)))
+        self._queue_control(codec.encode(Progress(self.member, self.applied_seq())))
         self.stop_requested.set()
 
     async def finish_stop(self) -> None:
         """After a stop request: let confirms up to the stop point out (every ready member
         reports it has applied them), then tell the clients to go."""
         assert self.halted is not None
-        with trio.move_on_after(STOP_SETTLE):
+        with trio.move_on_after(STOP_SETTLE if self._holding else 0):
             while self.stable_seq() < self.halted:
                 self._progress_changed = trio.Event()
                 await self._progress_changed.wait()
@@ -1258,7 +1318,7 @@ class ClusterNode(Node):
             except OSError as e:
                 # Acted on after the event being applied (an error-check round): the others
                 # may have recorded it.
-                self._write_failed = str(e)
+                self._write_failed = e
 
     def status(self, with_digest: bool = False) -> dict[str, Any]:
         b = self.broker
@@ -1416,14 +1476,15 @@ class MemberProcess:
             return 409, {"error": f"this member does not serve ({self.phase}): ask another"}
         try:
             if path == "/stop":
-                target = int(args.get("member") or 0)
+                target = admin.json_int(args, "member", 0)
                 seq = await node.request_stop(target)
                 return 202, {"stopping": target if target else "cluster", "at_seq": seq}
             if path == "/faults":
                 if not self.cluster.fault_injection:
                     return 403, {"error": "fault injection is off ([cluster] fault_injection)"}
                 return 200, node.inject_fault(
-                    str(args.get("kind")), int(args.get("at_seq") or node.broker.event_seq + 1)
+                    str(args.get("kind")),
+                    admin.json_int(args, "at_seq", node.broker.event_seq + 1),
                 )
         except (ClusterError, ValueError, TypeError) as e:
             return 400, {"error": str(e)}
@@ -1626,11 +1687,10 @@ class MemberProcess:
                         log.info("serving clients (incarnation %d)", self.incarnations)
                         await _first_of(self.stop, node.stop_requested)
                         if node.halted is not None:
-                            # A stop request: this member stops where the stream said.
+                            # A stop request: this member stops where the stream said, and
+                            # leaves the group at once (the others count it in stability
+                            # and flow control until then); its clients go after.
                             await node.finish_stop()
-                            with trio.move_on_after(config.shutdown_grace):
-                                while node.local:  # clients read their close and go
-                                    await trio.sleep(0.02)
                             self.phase = "stopped"
                             self.stop.set()
                         else:
@@ -1658,6 +1718,12 @@ class MemberProcess:
                         await lc.stream.send_all(frame)
                     await lc.stream.aclose()
                 raise ClusterError(node.failure)
+            if node.halted is not None:
+                with trio.move_on_after(config.shutdown_grace):
+                    while node.local:  # clients read their connection.close and go
+                        await trio.sleep(0.02)
+                for scope in list(node.client_scopes.values()):
+                    scope.cancel()
             if node.suspended is not None:
                 self.phase = "suspended"
                 self.last_suspension = node.suspended

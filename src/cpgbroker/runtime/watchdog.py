@@ -62,7 +62,7 @@ def run(member_pid: int, timeout: float) -> int:
             return 0  # the member is gone; something else holds the pipe open
         if now - last >= timeout:
             print(
-                f"watchdog: member pid {member_pid} processed no events for {now - last:.1f} s "
+                f"watchdog: member pid {member_pid} made no progress for {now - last:.1f} s "
                 f"(limit {timeout:g} s): killing it so that it cannot hold the cluster back",
                 file=sys.stderr,
                 flush=True,
