@@ -347,3 +347,26 @@ async def test_control_requests_with_bad_bodies_get_400_and_the_endpoint_lives_o
         assert (await post(port, b'{"member": 7}')).startswith(b"HTTP/1.0 202")
         assert seen == [7]
         nursery.cancel_scope.cancel()
+
+
+async def test_updater_children_of_an_ended_incarnation_are_ended_and_reaped() -> None:
+    from cpgbroker.runtime.member import reap_updaters
+
+    async with trio.open_nursery() as nursery:
+        (a,), _ = await start(nursery, 1)
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        # As fork_updater registers a transfer (the process reaps it, not Popen).
+        a.updates[child.pid] = {
+            "incarnation": a.incarnation,
+            "newcomer": 1,
+            "pid": child.pid,
+            "seq": 0,
+            "started": time.monotonic(),
+        }
+        nursery.start_soon(reap_updaters, a.updates)
+        a.end_updates()
+        await until(lambda: not a.updates)
+        with pytest.raises(ProcessLookupError):
+            os.kill(child.pid, 0)  # ended and reaped: no zombie left
+        child.returncode = -9  # reaped above; keep Popen from waiting on it
+        nursery.cancel_scope.cancel()

@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import time
 import urllib.parse
 from collections.abc import Iterable
@@ -180,6 +181,7 @@ class ClusterNode(Node):
         conn_counter: int = 0,
         kept: tuple[Broker, int] | None = None,
         incarnation: int = 1,
+        updates: dict[int, dict[str, Any]] | None = None,
     ) -> None:
         super().__init__(config, member)
         assert config.cluster is not None
@@ -260,8 +262,10 @@ class ClusterNode(Node):
         self.update_progress: update.UpdateProgress | None = None
         self.update_attempts = 0
         self.replayed = 0
-        # -- state update, updater side: forked children streaming a snapshot
-        self.updates: dict[int, dict[str, Any]] = {}
+        # -- state update, updater side: forked children streaming a snapshot (pid -> info).
+        # Shared across incarnations by the member process, which reaps them: a child can
+        # outlive the incarnation that forked it.
+        self.updates: dict[int, dict[str, Any]] = {} if updates is None else updates
         # -- error-check rounds (cluster/errorcheck.py): the event this member failed to apply
         # or record, (seq, outcome, event, sender), while the cluster decides; the events
         # delivered meanwhile, (event, sender), applied if it stays.
@@ -959,6 +963,7 @@ class ClusterNode(Node):
             self.cluster_cfg.update_rate_limit,
         )
         self.updates[pid] = {
+            "incarnation": self.incarnation,
             "newcomer": e.member,
             "pid": pid,
             "seq": self.broker.event_seq,
@@ -971,24 +976,13 @@ class ClusterNode(Node):
             pid,
         )
 
-    async def reap_updaters(self) -> None:
-        """Collect finished updater children (no threads: poll)."""
-        while True:
-            await trio.sleep(0.5)
-            for pid in list(self.updates):
-                try:
-                    done, status = os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    done, status = pid, 0
-                if done:
-                    info = self.updates.pop(pid)
-                    code = os.waitstatus_to_exitcode(status)
-                    (log.info if code == 0 else log.warning)(
-                        "state update to member=%s finished exit=%s after %.1f s",
-                        info["newcomer"],
-                        code,
-                        time.monotonic() - info["started"],
-                    )
+    def end_updates(self) -> None:
+        """This incarnation is over: its transfers are useless (each newcomer asks another
+        member once we have left), so end them; the member process reaps them."""
+        for pid in self.updates:
+            if self.updates[pid].get("incarnation") == self.incarnation:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
     async def update_handler(self, stream: trio.SocketStream) -> None:
         """An updater connects: check the token, restore while the stream keeps flowing into
@@ -1401,6 +1395,26 @@ class ClusterNode(Node):
                 f.close()
 
 
+async def reap_updaters(updates: dict[int, dict[str, Any]]) -> None:
+    """Collect finished updater children (no threads: poll)."""
+    while True:
+        await trio.sleep(0.5)
+        for pid in list(updates):
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done, status = pid, 0
+            if done:
+                info = updates.pop(pid)
+                code = os.waitstatus_to_exitcode(status)
+                (log.info if code == 0 else log.warning)(
+                    "state update to member=%s finished exit=%s after %.1f s",
+                    info["newcomer"],
+                    code,
+                    time.monotonic() - info["started"],
+                )
+
+
 async def open_update_listeners(update_listen: str, url: str) -> list[trio.SocketListener]:
     if update_listen:
         host, port = parse_listen(update_listen)
@@ -1439,6 +1453,8 @@ class MemberProcess:
         # (model, ring seq) kept from an incarnation that served until quorum was lost.
         self.kept: tuple[Broker, int] | None = None
         self.watchdog: Any = None
+        # Updater children of every incarnation (see ClusterNode.updates), reaped here.
+        self.updates: dict[int, dict[str, Any]] = {}
 
     def status(self, with_digest: bool = False) -> dict[str, Any]:
         node = self.node
@@ -1530,6 +1546,7 @@ class MemberProcess:
                 self.watchdog = watchdog.spawn(cluster.watchdog_timeout)
                 log.info("watchdog pid=%s timeout=%gs", self.watchdog.pid, cluster.watchdog_timeout)
                 outer.start_soon(self.feed_watchdog)
+            outer.start_soon(reap_updaters, self.updates)
 
             async def on_signal() -> None:
                 signum = await wait_for_signal()
@@ -1614,6 +1631,7 @@ class MemberProcess:
                 conn_counter=self.conn_counter,
                 kept=self.kept,
                 incarnation=self.incarnations,
+                updates=self.updates,
             )
             self.node = node
             unregister = self.quorum.on_loss(node.on_quorum_loss)
@@ -1648,7 +1666,6 @@ class MemberProcess:
                     nursery.start_soon(guarded, node.deliver_loop)
                     nursery.start_soon(guarded, node.catch_up)
                     nursery.start_soon(node.cluster_ticker)
-                    nursery.start_soon(node.reap_updaters)
                     activity = -1
                     while not node.ready.is_set():
                         with trio.move_on_after(cluster.ready_timeout):
@@ -1699,6 +1716,7 @@ class MemberProcess:
                         nursery.cancel_scope.cancel()
             finally:
                 unregister()
+                node.end_updates()
                 self.conn_counter = node._conn_counter
                 node.close()
             if node.failure is not None:
