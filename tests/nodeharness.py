@@ -120,6 +120,7 @@ async def start(
     for n, c in zip(nodes, cpgs, strict=True):
         nursery.start_soon(n.sender)
         nursery.start_soon(deliver, n, c)
+        nursery.start_soon(n.collect_digests)
     with trio.fail_after(5):
         for n in nodes:
             await n.ready.wait()

@@ -370,3 +370,24 @@ async def test_updater_children_of_an_ended_incarnation_are_ended_and_reaped() -
             os.kill(child.pid, 0)  # ended and reaped: no zombie left
         child.returncode = -9  # reaped above; keep Popen from waiting on it
         nursery.cancel_scope.cancel()
+
+
+async def test_a_forked_checkpoint_digest_agrees_with_one_computed_inline() -> None:
+    # Member a digests every checkpoint in a forked child while it goes on applying events;
+    # b and c digest inline. The votes agree only if the child digested exactly the state
+    # after the checkpoint's event.
+    async with trio.open_nursery() as nursery:
+        nodes, _cpgs = await start(nursery, 3, checkpoint_every=25)
+        a, b, c = nodes
+        a.digest_fork_messages = 0
+        b.digest_fork_messages = c.digest_fork_messages = 10**9
+        client = await open_confirm_channel(b)
+        await traffic(b, client, 200)
+        await until(lambda: confirmed(client) == 200)
+        await until(lambda: a.checkpoints.last is not None and a.checkpoints.last.seq >= 200)
+        for n in nodes:
+            last = n.checkpoints.last
+            assert last is not None and last.agreed, last
+        assert not a._digesting
+        assert a.forked_digests >= 8 and b.forked_digests == 0
+        nursery.cancel_scope.cancel()

@@ -114,6 +114,9 @@ RESYNC_TEXT = "member is resynchronising with the cluster; it serves again soon:
 # How long a stopping member waits for the others' last progress reports, so that confirms
 # for events before the stop point still reach its clients.
 STOP_SETTLE = 3.0
+# From this many queued and unacked messages on, checkpoint digests are computed in a forked
+# child (a fork costs a few ms; a digest about 10 us per message).
+DIGEST_FORK_MESSAGES = 2_000
 # Error-check rounds kept for ``cpgbroker status``.
 ROUNDS_SHOWN = 20
 # The kinds of fault a test can inject (``[cluster] fault_injection``): fail while applying
@@ -214,6 +217,11 @@ class ClusterNode(Node):
             config.cluster.url,
         )
         self.checkpoints = Checkpoints()
+        # Forked checkpoint digests in progress: (seq, read end of the pipe, child pid).
+        self._digesting: collections.deque[tuple[int, int, int]] = collections.deque()
+        self._digest_wake = trio.Event()
+        self.digest_fork_messages = DIGEST_FORK_MESSAGES
+        self.forked_digests = 0
         self.checkpoint_every = config.cluster.checkpoint_every
         self.ready = trio.Event()
         self.failed = trio.Event()
@@ -716,10 +724,72 @@ class ClusterNode(Node):
         if seq % self.progress_every == 0:
             self._queue_control(codec.encode(Progress(self.member, seq)))
         if seq % self.checkpoint_every == 0:
-            digest = snapshot.digest_bytes(self.broker)
-            self._queue_control(codec.encode(Checkpoint(self.member, seq, digest)))
-            if self._event_log is not None:
-                self._write_log({"type": "checkpoint", "seq": seq, "digest": digest.hex()})
+            self._checkpoint(seq)
+
+    def _checkpoint(self, seq: int) -> None:
+        """Digest the model as it is after event ``seq`` and vote on it. A large state is
+        digested in a forked child (copy on write: the state of exactly this point) while this
+        member goes on applying events: digesting a million messages takes seconds, and done
+        inline it would stall the member, and through flow control and confirms the cluster."""
+        if self._messages() >= self.digest_fork_messages:
+            r, w = os.pipe()
+            try:
+                broker = self.broker
+                pid = update.fork_child(
+                    lambda: _write_all(w, snapshot.digest_bytes(broker)),
+                    f"checkpoint digest at event {seq}",
+                    keep=w,
+                )
+            except OSError as e:  # no memory or processes left for a child: digest here
+                log.warning("cannot fork for the checkpoint digest (%s): digesting inline", e)
+                os.close(r)
+            else:
+                self.forked_digests += 1
+                self._digesting.append((seq, r, pid))
+                self._digest_wake.set()
+                return
+            finally:
+                os.close(w)
+        self._checkpoint_done(seq, snapshot.digest_bytes(self.broker))
+
+    def _checkpoint_done(self, seq: int, digest: bytes) -> None:
+        if self.suspended is not None or self.halted is not None:
+            return
+        self._queue_control(codec.encode(Checkpoint(self.member, seq, digest)))
+        if self._event_log is not None:
+            self._write_log({"type": "checkpoint", "seq": seq, "digest": digest.hex()})
+
+    def _messages(self) -> int:
+        return sum(
+            len(q.messages) + q.unacked
+            for vh in self.broker.vhosts.values()
+            for q in vh.queues.values()
+        )
+
+    async def collect_digests(self) -> None:
+        """Take the digests of forked checkpoint children, in checkpoint order."""
+        while True:
+            while not self._digesting:
+                self._digest_wake = trio.Event()
+                await self._digest_wake.wait()
+            seq, r, pid = self._digesting[0]
+            data = b""
+            try:
+                while len(data) < 32:
+                    await trio.lowlevel.wait_readable(r)
+                    chunk = os.read(r, 32 - len(data))
+                    if not chunk:
+                        break
+                    data += chunk
+            finally:
+                os.close(r)
+                self._digesting.popleft()
+            while os.waitpid(pid, os.WNOHANG)[0] == 0:
+                await trio.sleep(0.001)  # it exits right after writing
+            if len(data) != 32:
+                # The child failed (its log says why): this member cannot vouch for its state.
+                raise ClusterError(f"the checkpoint digest at event {seq} could not be computed")
+            self._checkpoint_done(seq, data)
 
     @staticmethod
     def _merge_verdict(ev: PartitionMerge, members: Iterable[int]) -> tuple[bool, list[int]]:
@@ -1395,6 +1465,11 @@ class ClusterNode(Node):
                 f.close()
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data) :]
+
+
 async def reap_updaters(updates: dict[int, dict[str, Any]]) -> None:
     """Collect finished updater children (no threads: poll)."""
     while True:
@@ -1665,6 +1740,7 @@ class MemberProcess:
                     nursery.start_soon(guarded, node.sender)
                     nursery.start_soon(guarded, node.deliver_loop)
                     nursery.start_soon(guarded, node.catch_up)
+                    nursery.start_soon(guarded, node.collect_digests)
                     nursery.start_soon(node.cluster_ticker)
                     activity = -1
                     while not node.ready.is_set():

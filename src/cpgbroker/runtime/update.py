@@ -35,6 +35,7 @@ import signal
 import socket
 import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -77,6 +78,17 @@ def fork_updater(
     """Fork a child that streams ``broker`` as it is now to the newcomer; returns its pid.
     The parent continues at once."""
     seq = broker.event_seq
+    return fork_child(
+        lambda: push_update(address, token, broker, members, updater, newcomer, seq, rate_limit),
+        f"state update to member {newcomer}",
+    )
+
+
+def fork_child(work: Callable[[], None], what: str, keep: int = -1) -> int:
+    """Run ``work`` in a forked child that sees the model exactly as it is now (copy on
+    write) while the parent goes on at once; returns the child's pid. The child closes every
+    inherited descriptor but ``keep`` (client sockets, the CPG connection: the parent's death
+    or its clients' disconnects are never delayed by it) and dies with its parent."""
     pid = os.fork()
     if pid:
         return pid
@@ -87,11 +99,16 @@ def fork_updater(
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
         _die_with_parent()
-        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-        push_update(address, token, broker, members, updater, newcomer, seq, rate_limit)
+        top = os.sysconf("SC_OPEN_MAX")
+        if keep >= 3:
+            os.closerange(3, keep)
+            os.closerange(keep + 1, top)
+        else:
+            os.closerange(3, top)
+        work()
         code = 0
     except BaseException as e:
-        log.error("state update to member %s failed: %s", newcomer, e)
+        log.error("%s failed: %s", what, e)
     finally:
         os._exit(code)
 
