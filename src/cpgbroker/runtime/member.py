@@ -1250,7 +1250,7 @@ class ClusterNode(Node):
             self._after_apply(e, sender)
         else:
             log.error("event log disabled after a failed write: %s", outcome)
-            self.close()
+            self._close_event_log()
             self.faults.pop("disk-full", None)
             self._write_failed = None
             self._report_and_digest()
@@ -1459,6 +1459,15 @@ class ClusterNode(Node):
         return self.membership.state
 
     def close(self) -> None:
+        while self._digesting:  # checkpoint children of an ended incarnation
+            _seq, r, pid = self._digesting.popleft()
+            os.close(r)
+            with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+        self._close_event_log()
+
+    def _close_event_log(self) -> None:
         f, self._event_log = self._event_log, None
         if f is not None:
             with contextlib.suppress(OSError):  # a full disk: what it could not flush is lost
