@@ -40,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     admin_url.add_argument(
         "--timeout", type=float, default=60.0, help="seconds to wait for the member(s) to stop"
     )
+    admin_url.add_argument(
+        "--token",
+        default=None,
+        help="[server] admin_token of the member (default: $CPGBROKER_ADMIN_TOKEN)",
+    )
     cluster = sub.add_parser("cluster", help="act on the whole cluster")
     cluster_sub = cluster.add_subparsers(dest="action", required=True)
     cluster_sub.add_parser(
@@ -61,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "status":
         return _status(ns.url, ns.json)
     if ns.command in ("cluster", "member"):
-        return _stop(ns.url, getattr(ns, "id", 0), ns.timeout)
+        import os
+
+        token = ns.token if ns.token is not None else os.environ.get("CPGBROKER_ADMIN_TOKEN", "")
+        return _stop(ns.url, getattr(ns, "id", 0), ns.timeout, token)
     parser.error(f"unknown command {ns.command}")
     return 2
 
@@ -75,7 +83,7 @@ def _admin_base(url: str) -> str:
     return url[: -len("/status")] if url.endswith("/status") else url
 
 
-def _stop(url: str, member: int, timeout: float) -> int:
+def _stop(url: str, member: int, timeout: float, token: str = "") -> int:
     """POST /stop to one member; it multicasts the request and answers where in the event
     order it took effect. For a cluster stop, then wait until that member has stopped."""
     import json
@@ -85,9 +93,10 @@ def _stop(url: str, member: int, timeout: float) -> int:
 
     base = _admin_base(url)
     body = json.dumps({"member": member} if member else {}).encode()
-    req = urllib.request.Request(
-        base + "/stop", data=body, headers={"Content-Type": "application/json"}, method="POST"
-    )
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(base + "/stop", data=body, headers=headers, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=15) as resp:
             answer = json.loads(resp.read())

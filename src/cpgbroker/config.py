@@ -59,6 +59,9 @@ class ServerConfig:
     tick_ms: int = 100
     # HOST:PORT of the HTTP status endpoint (GET /status -> JSON); "" disables it.
     admin_listen: str = ""
+    # Control requests (POST /stop, /faults) must carry ``Authorization: Bearer <token>``;
+    # without a token they are accepted only on a loopback status endpoint.
+    admin_token: str = ""
     broker: BrokerConfig = attrs.Factory(BrokerConfig)
     cluster: ClusterConfig | None = None
 
@@ -186,7 +189,10 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
     admin_listen = str(server.get("admin", ""))
     if admin_listen:
         parse_listen(admin_listen)
-    extra = sorted(k for k in server if k not in ("shutdown_grace", "tick_ms", "admin"))
+    admin_token = str(server.get("admin_token", ""))
+    extra = sorted(
+        k for k in server if k not in ("shutdown_grace", "tick_ms", "admin", "admin_token")
+    )
     if extra:
         raise ConfigError(f"unknown [server] key(s): {', '.join(extra)}")
     return ServerConfig(
@@ -196,6 +202,7 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
         shutdown_grace=float(server.get("shutdown_grace", 5.0)),
         tick_ms=int(server.get("tick_ms", 100)),
         admin_listen=admin_listen,
+        admin_token=admin_token,
         broker=broker,
         cluster=cluster,
     )

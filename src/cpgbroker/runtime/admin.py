@@ -4,13 +4,16 @@ checkpoint, quorum, error-check rounds), and on cluster members the control requ
 ``cpgbroker cluster stop`` / ``member stop`` (``POST /stop``) and, when a test configuration
 enables it, ``POST /faults``.
 
-It is bound to the address the operator configures (loopback in the examples) and has no
-authentication of its own: whoever reaches it can stop the cluster. Keep it on loopback or a
-management network, as corosync's own ports.
+``GET /status`` is open to whoever reaches the address the operator configures (loopback in
+the examples). Control requests can stop the cluster: with ``[server] admin_token`` set they
+must carry ``Authorization: Bearer <token>``; without it they are accepted only when the
+endpoint listens on a loopback address (then only local users reach it).
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -31,6 +34,7 @@ Control = Callable[[str, dict[str, Any]], Awaitable[tuple[int, dict[str, Any]]]]
 _REASONS = {
     200: "OK",
     202: "Accepted",
+    401: "Unauthorized",
     400: "Bad Request",
     403: "Forbidden",
     404: "Not Found",
@@ -51,21 +55,40 @@ def json_int(args: dict[str, Any], key: str, default: int) -> int:
     return v
 
 
-def _split_request(request: bytes) -> tuple[list[str], bytes, int]:
+def _split_request(request: bytes) -> tuple[list[str], bytes, dict[str, str]]:
     head, _, body = request.partition(b"\r\n\r\n")
     lines = head.decode(errors="replace").split("\r\n")
-    length = 0
+    headers = {}
     for h in lines[1:]:
         name, _, value = h.partition(":")
-        if name.strip().lower() == "content-length" and value.strip().isdigit():
-            length = int(value.strip())
-    return lines[0].split(), body, length
+        headers[name.strip().lower()] = value.strip()
+    return lines[0].split(), body, headers
+
+
+def control_refusal(bound_host: str, token: str, authorization: str) -> tuple[int, str] | None:
+    """Why a control request may not proceed (HTTP status, reason), or None if it may."""
+    if token:
+        scheme, _, given = authorization.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip(), token):
+            return None
+        return 401, "control requests need Authorization: Bearer <[server] admin_token>"
+    try:
+        loopback = ipaddress.ip_address(bound_host).is_loopback
+    except ValueError:
+        loopback = False
+    if loopback:
+        return None
+    return 403, (
+        "this status endpoint is not on loopback: set [server] admin_token to accept control "
+        "requests on it"
+    )
 
 
 async def serve_admin(
     addr: str,
     status: Callable[[bool], dict[str, Any]],
     control: Control | None = None,
+    token: str = "",
     *,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -83,7 +106,9 @@ async def serve_admin(
                     if not chunk:
                         break
                     request += chunk
-                line, payload, length = _split_request(request)
+                line, payload, headers = _split_request(request)
+                declared = headers.get("content-length", "")
+                length = int(declared) if declared.isdigit() else 0
                 while len(payload) < min(length, MAX_REQUEST):
                     chunk = await stream.receive_some(4096)
                     if not chunk:
@@ -95,6 +120,17 @@ async def serve_admin(
                 if line and line[0] == "GET" and path in ("/", "/status"):
                     # ?digest=1 adds the current model digest (costs a full snapshot).
                     http, answer = 200, status("digest=1" in query)
+                elif (
+                    line
+                    and line[0] == "POST"
+                    and control is not None
+                    and (
+                        refusal := control_refusal(
+                            str(bound[0]), token, headers.get("authorization", "")
+                        )
+                    )
+                ):
+                    http, answer = refusal[0], {"error": refusal[1]}
                 elif line and line[0] == "POST" and control is not None:
                     try:
                         args = json.loads(payload or b"{}")

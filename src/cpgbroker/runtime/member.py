@@ -1625,7 +1625,13 @@ class MemberProcess:
         async with trio.open_nursery() as outer:
             if config.admin_listen:
                 # Before readiness: ``status`` shows a joining member's quorum and progress.
-                await outer.start(admin.serve_admin, config.admin_listen, self.status, self.control)
+                await outer.start(
+                    admin.serve_admin,
+                    config.admin_listen,
+                    self.status,
+                    self.control,
+                    config.admin_token,
+                )
             if cluster.watchdog_timeout > 0:
                 self.watchdog = watchdog.spawn(cluster.watchdog_timeout)
                 log.info("watchdog pid=%s timeout=%gs", self.watchdog.pid, cluster.watchdog_timeout)
