@@ -168,11 +168,11 @@ def profile_members(pids: list[int], seconds: float) -> list[subprocess.Popen[by
     return procs
 
 
-def run_ours_cluster(shared: Path, secs: float) -> dict[str, Any]:
+def run_ours_cluster(shared: Path, secs: float, realtime: bool = True) -> dict[str, Any]:
     from cpgbroker.devbrokers import BrokerSet
     from cpgbroker.devcluster import DevCluster
 
-    dc = DevCluster(3, prefix=f"bench-{os.getpid() % 100000}", token_ms=3000)
+    dc = DevCluster(3, prefix=f"bench-{os.getpid() % 100000}", token_ms=3000, realtime=realtime)
     out: dict[str, Any] = {}
     with dc:  # up on enter, down on exit
         brokers = BrokerSet(dc, event_log=False)
@@ -227,17 +227,23 @@ def main() -> int:
     ap.add_argument("--cluster", action="store_true", help="3-member cluster instead of standalone")
     ap.add_argument("--rabbitmq", action="store_true", help="also measure RabbitMQ")
     ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument(
+        "--no-realtime",
+        action="store_true",
+        help="corosyncs without real-time scheduling (devcluster up --no-realtime)",
+    )
     ap.add_argument("--shared", type=Path, default=ROOT.parent / "shared")
     args = ap.parse_args()
     started = time.time()
     if args.cluster:
-        ours = run_ours_cluster(args.shared, args.seconds)
+        ours = run_ours_cluster(args.shared, args.seconds, realtime=not args.no_realtime)
         names = list(CLUSTER)
     else:
         ours = run_ours_standalone(args.shared, args.seconds)
         names = list(STANDALONE)
     result: dict[str, Any] = {
         "mode": "cluster" if args.cluster else "standalone",
+        "corosync_realtime": not args.no_realtime,
         "cpgbroker": ours,
     }
     if args.rabbitmq:

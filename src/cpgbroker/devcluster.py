@@ -157,6 +157,7 @@ def render_config(
     addresses: Sequence[str],
     logfile: str,
     state_dir: str,
+    realtime: bool = True,
 ) -> str:
     """Fill in the corosync.conf template; every ``@NAME@`` field must be known."""
     nodelist = "\n".join(
@@ -169,6 +170,7 @@ def render_config(
         "NODELIST": nodelist,
         "LOGFILE": logfile,
         "STATE_DIR": state_dir,
+        "SCHED_RR": "yes" if realtime else "no",
     }
 
     def substitute(m: re.Match[str]) -> str:
@@ -298,6 +300,7 @@ class DevCluster:
         state_dir: Path | str = DEFAULT_STATE_DIR,
         template: Path | str | None = None,
         owner_pid: int | None = None,
+        realtime: bool = True,
     ) -> None:
         if not PREFIX_RE.match(prefix):
             raise DevClusterError(
@@ -310,6 +313,11 @@ class DevCluster:
             raise DevClusterError(f"--token must be between 100 and 60000 ms, not {token_ms}")
         self.prefix = prefix
         self.token_ms = token_ms
+        # Real-time scheduling for the corosyncs (their default). Several of them share a few
+        # cores with the brokers here, and at RT priority they preempt the brokers whenever
+        # traffic keeps the token rotating: benchmarks of latency turn it off (see
+        # docs/performance.md); on real nodes each corosync has its machine and keeps it.
+        self.realtime = realtime
         self.state_root = Path(state_dir)
         self.base = self.state_root / prefix
         self.template = Path(template) if template is not None else None
@@ -339,6 +347,7 @@ class DevCluster:
         data = {
             "prefix": self.prefix,
             "token_ms": self.token_ms,
+            "realtime": self.realtime,
             "subnet": self.subnet,
             "owner_pid": self.owner_pid,
             "nodes": [attrs.asdict(n) for n in self.nodes],
@@ -367,6 +376,7 @@ class DevCluster:
             token_ms=data["token_ms"],
             state_dir=state_dir,
             owner_pid=data.get("owner_pid"),
+            realtime=data.get("realtime", True),
         )
         self.subnet = data["subnet"]
         self.nodes = [Node(**n) for n in data["nodes"]]
@@ -530,6 +540,7 @@ class DevCluster:
             addresses=[n.address for n in self.nodes],
             logfile=str(d / "corosync.log"),
             state_dir=str(d / "state"),
+            realtime=self.realtime,
         )
         (d / "corosync.conf").write_text(text)
 
@@ -942,6 +953,12 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--nodes", type=int, default=3, help="number of nodes (default 3)")
     up.add_argument("--token", type=int, default=DEFAULT_TOKEN_MS, help="totem token timeout in ms")
     up.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for quorum")
+    up.add_argument(
+        "--no-realtime",
+        action="store_true",
+        help="run corosync without real-time scheduling (sched_rr: no): several nodes on a few "
+        "cores then leave the brokers their share",
+    )
     up.add_argument("--template", type=Path, help="corosync.conf template")
     up.add_argument(
         "--with-brokers",
@@ -1014,6 +1031,7 @@ def _main(args: argparse.Namespace) -> int:
             token_ms=args.token,
             state_dir=args.state_dir,
             template=args.template,
+            realtime=not args.no_realtime,
         )
         t0 = time.monotonic()
         if args.with_brokers:

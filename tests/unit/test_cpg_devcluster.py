@@ -56,9 +56,21 @@ def test_config_from_the_shipped_template() -> None:
         "nodeid: 2",
         "logfile: /x/n1/corosync.log",
         "state_dir: /x/n1/state",
+        "sched_rr: yes",
     ):
         assert needle in text
     assert text.count("node {") == 2
+    # Without real-time scheduling (devcluster up --no-realtime), for benchmarks on few cores.
+    slow = render_config(
+        devcluster.default_template().read_text(),
+        cluster_name="t1",
+        token_ms=1000,
+        addresses=["10.213.9.1"],
+        logfile="/x",
+        state_dir="/y",
+        realtime=False,
+    )
+    assert "sched_rr: no" in slow and "sched_rr: yes" not in slow
 
 
 def test_unknown_template_field_is_an_error() -> None:
