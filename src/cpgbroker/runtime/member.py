@@ -676,8 +676,7 @@ class ClusterNode(Node):
         cluster decides in an error-check round."""
         seq = self.broker.event_seq + 1
         try:
-            at = self.faults.get("apply-error")
-            if at is not None and seq >= at:
+            if self.faults and self._fault_due("apply-error", seq):
                 del self.faults["apply-error"]
                 raise InjectedFault("injected failure")
             self.apply(e)
@@ -696,8 +695,7 @@ class ClusterNode(Node):
             return
         self.delivered_events += 1
         if self._event_log is not None:
-            at = self.faults.get("disk-full")
-            if at is not None and self.broker.event_seq >= at:
+            if self.faults and self._fault_due("disk-full", self.broker.event_seq):
                 self._write_failed = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             else:
                 self._log_event(
@@ -716,6 +714,12 @@ class ClusterNode(Node):
                 )
                 return
         self._report_and_digest()
+
+    def _fault_due(self, kind: str, seq: int) -> bool:
+        """Whether an injected fault of ``kind`` fires at event ``seq`` (tests only; the
+        callers test ``self.faults`` first, so the hot path pays one truth test)."""
+        at = self.faults.get(kind)
+        return at is not None and seq >= at
 
     def _report_and_digest(self) -> None:
         seq = self.broker.event_seq
