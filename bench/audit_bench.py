@@ -129,7 +129,7 @@ def generate(out: Path, rows: int, args: argparse.Namespace) -> dict[str, Any]:
                     queue=F.lit("q"),
                     consumer=cclient,
                 ),
-            )  # fmt: skip
+            )
         ).alias("r")
     )
     conns = spark.createDataFrame(
@@ -175,8 +175,11 @@ def generate(out: Path, rows: int, args: argparse.Namespace) -> dict[str, Any]:
     _write_json(events, out / "events", "events")
     _write_json(checkpoints, out / "checkpoints", "events")
     spark.stop()
-    return {"messages": messages, "history_rows": messages * 4 + P + C,
-            "event_rows": n_events * members + (n_events // CHECKPOINT_EVERY) * members}  # fmt: skip
+    return {
+        "messages": messages,
+        "history_rows": messages * 4 + P + C,
+        "event_rows": n_events * members + (n_events // CHECKPOINT_EVERY) * members,
+    }
 
 
 def _write_json(df: Any, where: Path, kind: str) -> None:

@@ -29,14 +29,23 @@ class FakeCpg:
         self.q: list[Any] = []
         self.wake = trio.Event()
         self.in_flight = 0
+        self.idle = True  # every send is delivered at once
         self.paused = False
         bus.subs.append(self)
 
     async def send(self, *bufs: bytes) -> None:
-        if self not in self.bus.subs:
-            return  # it left the group: nothing it sends reaches anyone
-        self.bus.post(Deliver(b"g", self.local_nodeid, 1000, b"".join(bufs)))
+        self.send_nowait(*bufs)
         await trio.lowlevel.checkpoint()
+
+    def send_nowait(self, *bufs: bytes) -> bool:
+        if self in self.bus.subs:  # once it left the group, nothing it sends reaches anyone
+            self.bus.post(Deliver(b"g", self.local_nodeid, 1000, b"".join(bufs)))
+        return True
+
+    def post(self, ev: Any) -> None:
+        """Deliver ``ev`` to this member only (a configuration change as it alone sees it)."""
+        self.q.append(ev)
+        self.wake.set()
 
     async def receive_batch(self) -> list[Any]:
         while not self.q or self.paused:

@@ -12,7 +12,6 @@ import trio
 from cpgbroker.config import ClusterConfig, ServerConfig
 from cpgbroker.cpg import (
     ConfChg,
-    Deliver,
     Member,
     MemberChange,
     PartitionMerge,
@@ -21,31 +20,7 @@ from cpgbroker.cpg import (
     TotemConfChg,
 )
 from cpgbroker.runtime.member import ClusterNode, member_id
-
-
-class FakeCpg:
-    def __init__(self, nodeid: int) -> None:
-        self.local_nodeid = nodeid
-        self.q: list[Any] = []
-        self.wake = trio.Event()
-        self.in_flight = 0
-        self.peers: list[FakeCpg] = []
-
-    def post(self, ev: Any) -> None:
-        self.q.append(ev)
-        self.wake.set()
-
-    async def send(self, *bufs: bytes) -> None:
-        for p in self.peers:
-            p.post(Deliver(b"g", self.local_nodeid, 1000, b"".join(bufs)))
-        await trio.lowlevel.checkpoint()
-
-    async def receive_batch(self) -> list[Any]:
-        while not self.q:
-            self.wake = trio.Event()
-            await self.wake.wait()
-        out, self.q = self.q, []
-        return out
+from fakecpg import Bus, FakeCpg
 
 
 class QuorateView:
@@ -75,7 +50,8 @@ def confchg(members: tuple[int, ...], left: tuple[int, ...], joined: tuple[int, 
 
 
 async def test_frozen_member_suspends_before_applying_the_others_departure() -> None:
-    cpgs = [FakeCpg(n) for n in (1, 2, 3)]
+    bus = Bus()
+    cpgs = [FakeCpg(bus, n) for n in (1, 2, 3)]
     for c in cpgs:
         c.peers = cpgs
     nodes = []
@@ -121,7 +97,7 @@ async def test_frozen_member_suspends_before_applying_the_others_departure() -> 
 
 def test_merge_scan_follows_the_ring_changes_members() -> None:
     cfg = ServerConfig(cluster=ClusterConfig(group="g", size=3))
-    node = ClusterNode(cfg, FakeCpg(2), member_id(2, 1000))  # type: ignore[arg-type]
+    node = ClusterNode(cfg, FakeCpg(Bus(), 2), member_id(2, 1000))  # type: ignore[arg-type]
     node.membership.on_confchg([member_id(n, 1000) for n in (1, 2, 3)], [], [])
     # The majority side {2, 3} sees member 1 come back: it wins, nothing to suspend for.
     batch: list[Any] = [

@@ -225,16 +225,21 @@ class TrioCpg:
 
     async def receive_batch(self, max_events: int | None = None) -> list[CpgEvent]:
         """Wait for at least one event and return all ready ones (at most ``max_events``)."""
+        parked = False
         while not self._events:
             self._raise_failure()
             await self._readers.park()
+            parked = True
         events = self._events
         if max_events is None or max_events >= len(events):
             batch = list(events)
             events.clear()
         else:
             batch = [events.popleft() for _ in range(max_events)]
-        await trio.lowlevel.checkpoint()
+        if not parked:
+            # Found events waiting: give the other tasks their turn. After parking, the park
+            # was that turn; another one would cost a whole scheduling round per batch.
+            await trio.lowlevel.checkpoint()
         return batch
 
     async def receive(self) -> CpgEvent:
@@ -267,32 +272,14 @@ class TrioCpg:
         Waits for credit first; retries TRY_AGAIN without blocking the reader. Buffers are
         not copied: do not modify them until this returns.
         """
-        cpg = self.cpg
         size = sum(memoryview(b).nbytes for b in buffers)
-        cpg.check_size(size)
+        self.cpg.check_size(size)
         # Fast path, no scheduling round trip: nobody queued before us, credit available, no
         # thread call in progress. A sender that keeps finding credit yields when the window
         # fills, which is also when the reader has a batch worth draining.
-        if (
-            not self._send_lock.locked()
-            and not self._ipc_lock.locked()
-            and self.failure is None
-            and not self._closed
-            and size <= self._max_atomic
-            and self._has_credit(size)
-        ):
+        if self._fast_ok(size):
             await trio.lowlevel.checkpoint_if_cancelled()
-            try:
-                cpg.mcast(*buffers)
-            except CpgTryAgain:
-                self.stats.try_again += 1
-            except errors.CpgError as e:
-                if not isinstance(e, CpgTooBig):
-                    self._fail(e)
-                    self._failure_raised = True
-                raise
-            else:
-                self._account(size)
+            if self._mcast_fast(buffers, size):
                 self._burst += 1
                 if self._burst >= FAST_BURST:
                     # Give the other tasks a turn now and then even while credit lasts; not
@@ -313,6 +300,46 @@ class TrioCpg:
             else:
                 await self._send_now(buffers)
             self._account(size)
+
+    def send_nowait(self, *buffers: Buffer) -> bool:
+        """Multicast now if that needs no waiting at all (nobody queued in :meth:`send`,
+        credit available, corosync took it); otherwise send nothing and return False.
+
+        For callers that are not a task of their own (a progress report written from the
+        delivery loop): the message goes out in the same scheduling turn instead of waking a
+        sender task, which at low rates is most of what a message costs.
+        """
+        size = sum(memoryview(b).nbytes for b in buffers)
+        return self._fast_ok(size) and self._mcast_fast(buffers, size)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing of ours is multicast and not yet delivered back."""
+        return not self._in_flight
+
+    def _fast_ok(self, size: int) -> bool:
+        return (
+            not self._send_lock.locked()
+            and not self._ipc_lock.locked()
+            and self.failure is None
+            and not self._closed
+            and size <= self._max_atomic
+            and self._has_credit(size)
+        )
+
+    def _mcast_fast(self, buffers: tuple[Buffer, ...], size: int) -> bool:
+        try:
+            self.cpg.mcast(*buffers)
+        except CpgTryAgain:
+            self.stats.try_again += 1
+            return False
+        except errors.CpgError as e:
+            if not isinstance(e, CpgTooBig):
+                self._fail(e)
+                self._failure_raised = True
+            raise
+        self._account(size)
+        return True
 
     def _has_credit(self, size: int) -> bool:
         # A message bigger than the byte window may go when nothing else is in flight.

@@ -129,6 +129,9 @@ class Node:
         self._last_tick = 0
         self.all_closed = trio.Event()
         self.all_closed.set()
+        # A local client was handed output since the cluster layer last looked: its answer
+        # (an ack for a delivery, the next command after a reply) is probably on its way.
+        self.answer_expected = False
 
     # -- the standalone sequencer: apply at once, in submission order
     async def submit(self, ev: Event) -> None:
@@ -154,6 +157,7 @@ class Node:
                     self.hold(lc, eff)  # type: ignore[arg-type]
                     continue
                 self.write(lc, eff.data)  # type: ignore[union-attr]
+                self.answer_expected = True
             elif t is WantOutput:
                 lc.want_output = True
                 lc.wake.set()
