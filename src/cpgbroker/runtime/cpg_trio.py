@@ -307,10 +307,18 @@ class TrioCpg:
 
         For callers that are not a task of their own (a progress report written from the
         delivery loop): the message goes out in the same scheduling turn instead of waking a
-        sender task, which at low rates is most of what a message costs.
+        sender task, which at low rates is most of what a message costs. Errors are not raised
+        here, in whatever task called: a fatal one is recorded and raised by the next receive
+        or send, and a message corosync refuses as too big is left for :meth:`send` to refuse.
         """
         size = sum(memoryview(b).nbytes for b in buffers)
-        return self._fast_ok(size) and self._mcast_fast(buffers, size)
+        if not self._fast_ok(size):
+            return False
+        try:
+            return self._mcast_fast(buffers, size)
+        except errors.CpgError:
+            self._failure_raised = False  # recorded (if fatal) and not raised yet
+            return False
 
     @property
     def idle(self) -> bool:
