@@ -12,6 +12,7 @@ from typing import Any
 import pika
 import pika.exceptions as px
 import pytest
+from brokerclients import assert_same_properties
 from clientutil import BrokerFactory, BrokerProcess, blocking, drain_get, wait_until
 
 
@@ -84,21 +85,7 @@ def test_default_exchange_round_trip_keeps_properties(ch: Any, prefix: str) -> N
     assert body == b'{"x": 1}'
     assert method.exchange == "" and method.routing_key == q and not method.redelivered
     assert method.message_count == 0
-    for attr in (
-        "content_type",
-        "content_encoding",
-        "headers",
-        "delivery_mode",
-        "priority",
-        "correlation_id",
-        "reply_to",
-        "message_id",
-        "timestamp",
-        "type",
-        "user_id",
-        "app_id",
-    ):
-        assert getattr(got, attr) == getattr(props, attr), attr
+    assert_same_properties(got, props)
 
 
 def test_basic_get_empty_and_message_count(ch: Any, prefix: str) -> None:

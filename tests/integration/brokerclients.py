@@ -14,6 +14,28 @@ from cpgbroker.devbrokers import BrokerSet
 
 OPEN: list[pika.BlockingConnection] = []
 
+# Every basic.properties field a pika client sets (``cluster_id`` is deprecated and unset).
+PROPERTY_FIELDS = (
+    "content_type",
+    "content_encoding",
+    "headers",
+    "delivery_mode",
+    "priority",
+    "correlation_id",
+    "reply_to",
+    "message_id",
+    "timestamp",
+    "type",
+    "user_id",
+    "app_id",
+)
+
+
+def assert_same_properties(got: pika.BasicProperties, sent: pika.BasicProperties) -> None:
+    """A message came back with every property it was published with."""
+    for field in PROPERTY_FIELDS:
+        assert getattr(got, field) == getattr(sent, field), field
+
 
 def connect(bs: BrokerSet, node: int) -> pika.BlockingConnection:
     p = pika.URLParameters(bs.url(node))

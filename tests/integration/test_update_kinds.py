@@ -21,7 +21,7 @@ import pika
 import pika.exceptions
 import pytest
 import test_update as tu
-from brokerclients import connect, drain, queues
+from brokerclients import assert_same_properties, connect, drain, queues
 
 from cpgbroker.devbrokers import BrokerSet
 from cpgbroker.devcluster import DevCluster
@@ -170,20 +170,7 @@ def test_messages_with_properties_and_redelivered_flags(old: BrokerSet, join: An
         (b"body-2", False),
     ]
     for _b, p, _r in got:
-        for field in (
-            "content_type",
-            "content_encoding",
-            "headers",
-            "delivery_mode",
-            "priority",
-            "correlation_id",
-            "reply_to",
-            "message_id",
-            "timestamp",
-            "type",
-            "app_id",
-        ):
-            assert getattr(p, field) == getattr(props, field), field
+        assert_same_properties(p, props)
 
 
 def test_message_ttl_and_cluster_clock(old: BrokerSet, join: Any) -> None:

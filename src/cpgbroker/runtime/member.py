@@ -326,9 +326,10 @@ class ClusterNode(Node):
         if not (self.cpg.idle and self._send_direct(data, client=True)):
             self._queue(data)
 
-    def _send_direct(self, data: bytes, client: bool) -> bool:
+    def _send_direct(self, data: bytes | None, client: bool) -> bool:
         """Multicast ``data`` in this scheduling turn, if nothing queued or being sent would
-        be overtaken and it needs no waiting; a wanted progress report rides along.
+        be overtaken and it needs no waiting; a wanted progress report rides along (``data``
+        None: the report alone).
 
         At low rates a CPG message costs mostly scheduling: waking the sender task is one
         more round of trio's run loop (an epoll call and the loop's own work) per message.
@@ -337,13 +338,15 @@ class ClusterNode(Node):
             return False
         if client and self.lag() > self.max_lag:
             return False  # the sender holds client traffic back until the slowest catches up
-        if self._report_wanted:
-            report = self._take_report()
-            if self.cpg.send_nowait(codec.HEADER, data, report):
-                return True
-            self._report_wanted = True
+        bufs = [] if data is None else [data]
+        report = self._report_wanted
+        if report:
+            bufs.append(self._report())
+        if not bufs or not self.cpg.send_nowait(codec.HEADER, *bufs):
             return False
-        return self.cpg.send_nowait(codec.HEADER, data)
+        if report:
+            self._report_gone()
+        return True
 
     def _queue_control(self, data: bytes) -> None:
         self._ctl.append(data)
@@ -539,20 +542,24 @@ class ClusterNode(Node):
         now = time.monotonic()
         if self.answer_expected:
             self._ride_until = now + REPORT_RIDE_WAIT
-        elif now - self._reported_at >= REPORT_INTERVAL:
+        elif now - self._reported_at >= REPORT_INTERVAL and self._send_direct(None, False):
             # Straight from the delivery loop when nothing is queued: the report leaves in the
             # turn that applied the events it vouches for.
-            report = self._take_report()
-            if self._send_direct(report, client=False):
-                return
-            self._report_wanted = True
+            return
         self._send_wake.set()
 
-    def _take_report(self) -> bytes:
-        """Our progress as of now (at least the events that asked for it), for the sender."""
+    def _report(self) -> bytes:
+        """Our progress as of now (at least the events that asked for it)."""
+        return codec.encode(Progress(self.member, self.applied_seq()))
+
+    def _report_gone(self) -> None:
         self._report_wanted = False
         self._reported_at = time.monotonic()
-        return codec.encode(Progress(self.member, self.applied_seq()))
+
+    def _take_report(self) -> bytes:
+        """The report, for a message the sender is about to multicast."""
+        self._report_gone()
+        return self._report()
 
     def applied_seq(self) -> int:
         """The last event this member vouches for: while it is held at a failed event, the
