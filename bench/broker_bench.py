@@ -4,7 +4,7 @@
     python bench/broker_bench.py --rabbitmq           # + RabbitMQ single node, same configs
     python bench/broker_bench.py --cluster            # 3-member cluster (root: namespaces)
     python bench/broker_bench.py --cluster --rabbitmq # + RabbitMQ 3-node quorum queues
-    python bench/broker_bench.py --cluster --no-realtime --only q_rate1000_1K_confirm --repeat 5
+    python bench/broker_bench.py --cluster --realtime --only q_rate1000_1K_confirm --repeat 5
 
 Load comes from the shared ``amqp_load.py`` (its raw client costs ~20 us per message, so the
 broker is what is measured); RabbitMQ nodes from the shared ``rabbitmq_baseline.sh`` (private
@@ -172,7 +172,7 @@ def profile_members(pids: list[int], seconds: float) -> list[subprocess.Popen[by
 def run_ours_cluster(
     shared: Path,
     secs: float,
-    realtime: bool = True,
+    realtime: bool = False,
     names: list[str] | None = None,
     repeat: int = 1,
 ) -> dict[str, Any]:
@@ -250,9 +250,10 @@ def main() -> int:
     ap.add_argument("--rabbitmq", action="store_true", help="also measure RabbitMQ")
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument(
-        "--no-realtime",
-        action="store_true",
-        help="corosyncs without real-time scheduling (devcluster up --no-realtime)",
+        "--realtime",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="corosyncs at their default real-time priority (devcluster up --realtime)",
     )
     ap.add_argument("--shared", type=Path, default=ROOT.parent / "shared")
     ap.add_argument(
@@ -274,14 +275,14 @@ def main() -> int:
         if unknown:
             ap.error(f"unknown configuration(s): {', '.join(unknown)}")
         ours = run_ours_cluster(
-            args.shared, args.seconds, not args.no_realtime, names, max(1, args.repeat)
+            args.shared, args.seconds, args.realtime, names, max(1, args.repeat)
         )
     else:
         ours = run_ours_standalone(args.shared, args.seconds)
         names = list(STANDALONE)
     result: dict[str, Any] = {
         "mode": "cluster" if args.cluster else "standalone",
-        "corosync_realtime": not args.no_realtime,
+        "corosync_realtime": args.realtime,
         "cpgbroker": ours,
     }
     if args.rabbitmq:

@@ -6,7 +6,8 @@ Run as root from the repository (after ``pip install -e .``)::
     python bench/cpg_bench.py --sizes 1024,65536 --topologies 3 --latency-count 0
 
 It starts its own dev clusters (1 node and 3 nodes, token 3000 ms, in network namespaces; see
-``cpgbroker.devcluster``), compiles ``bench/cpg_ref.c`` with gcc, and for every scenario runs
+``cpgbroker.devcluster``; corosync at nice -10 like ``devcluster up``, or at its own real-time
+priority with ``--realtime``), compiles ``bench/cpg_ref.c`` with gcc, and for every scenario runs
 the C client, the Python binding (:class:`cpgbroker.cpg.Cpg`) and the trio adapter
 (:mod:`cpgbroker.runtime.cpg_trio`) one after the other with the same algorithm:
 
@@ -318,6 +319,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--latency-count", type=int, default=2000)
     parser.add_argument("--token", type=int, default=3000)
+    parser.add_argument(
+        "--realtime",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="corosyncs at their default real-time priority (devcluster up --realtime)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
 
@@ -340,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         ref = compile_ref(Path(tmp))
         for nodes in topologies:
             try:
-                cm = running_cluster(nodes, token_ms=args.token)
+                cm = running_cluster(nodes, token_ms=args.token, realtime=args.realtime)
                 cluster = cm.__enter__()
             except DevClusterError as e:
                 sys.exit(f"cpg_bench: {e}")

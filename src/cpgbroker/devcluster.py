@@ -157,7 +157,7 @@ def render_config(
     addresses: Sequence[str],
     logfile: str,
     state_dir: str,
-    realtime: bool = True,
+    realtime: bool = False,
 ) -> str:
     """Fill in the corosync.conf template; every ``@NAME@`` field must be known."""
     nodelist = "\n".join(
@@ -300,7 +300,7 @@ class DevCluster:
         state_dir: Path | str = DEFAULT_STATE_DIR,
         template: Path | str | None = None,
         owner_pid: int | None = None,
-        realtime: bool = True,
+        realtime: bool = False,
     ) -> None:
         if not PREFIX_RE.match(prefix):
             raise DevClusterError(
@@ -313,10 +313,10 @@ class DevCluster:
             raise DevClusterError(f"--token must be between 100 and 60000 ms, not {token_ms}")
         self.prefix = prefix
         self.token_ms = token_ms
-        # Real-time scheduling for the corosyncs (their default). Several of them share a few
-        # cores with the brokers here, and at RT priority they preempt the brokers whenever
-        # traffic keeps the token rotating: benchmarks of latency turn it off (see
-        # docs/performance.md); on real nodes each corosync has its machine and keeps it.
+        # Real-time scheduling for the corosyncs (their own default) only when asked: several
+        # of them share a few cores with the brokers here, and at RT priority they preempt the
+        # brokers whenever traffic keeps the token rotating (docs/performance.md). On real
+        # nodes each corosync has its machine and keeps its default.
         self.realtime = realtime
         self.state_root = Path(state_dir)
         self.base = self.state_root / prefix
@@ -376,6 +376,7 @@ class DevCluster:
             token_ms=data["token_ms"],
             state_dir=state_dir,
             owner_pid=data.get("owner_pid"),
+            # (State files from before the option existed describe real-time corosyncs.)
             realtime=data.get("realtime", True),
         )
         self.subnet = data["subnet"]
@@ -874,6 +875,7 @@ def running_cluster(
     token_ms: int = DEFAULT_TOKEN_MS,
     state_dir: Path | str = DEFAULT_STATE_DIR,
     timeout: float = 30.0,
+    realtime: bool = False,
 ) -> Iterator[DevCluster]:
     """A test cluster with a unique, owner-tagged prefix, always torn down on exit."""
     cluster = DevCluster(
@@ -882,6 +884,7 @@ def running_cluster(
         token_ms=token_ms,
         state_dir=state_dir,
         owner_pid=os.getpid(),
+        realtime=realtime,
     )
     cluster.up(timeout=timeout)
     try:
@@ -954,10 +957,12 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--token", type=int, default=DEFAULT_TOKEN_MS, help="totem token timeout in ms")
     up.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for quorum")
     up.add_argument(
-        "--no-realtime",
-        action="store_true",
-        help="run corosync without real-time scheduling (sched_rr: no): several nodes on a few "
-        "cores then leave the brokers their share",
+        "--realtime",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run corosync at its default real-time priority (sched_rr: yes). Off by default: "
+        "all nodes share this machine's cores, and real-time corosyncs preempt the brokers "
+        "(without it corosync runs at nice -10)",
     )
     up.add_argument("--template", type=Path, help="corosync.conf template")
     up.add_argument(
@@ -1031,7 +1036,7 @@ def _main(args: argparse.Namespace) -> int:
             token_ms=args.token,
             state_dir=args.state_dir,
             template=args.template,
-            realtime=not args.no_realtime,
+            realtime=args.realtime,
         )
         t0 = time.monotonic()
         if args.with_brokers:

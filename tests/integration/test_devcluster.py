@@ -74,6 +74,11 @@ def test_cli_cluster_runs_beside_another_and_goes_away(cluster: DevCluster, tmp_
         assert [n["node"] for n in nodes] == [1, 2]
         assert all(n["quorate"] and n["total_votes"] == 2 for n in nodes)
         assert info["subnet"] != f"10.213.{cluster.subnet}.0/24"
+        # The nodes share this machine's cores with their brokers: corosync is not real-time
+        # but ten nice levels above them.
+        for n in nodes:
+            assert os.sched_getscheduler(n["pid"]) == os.SCHED_OTHER
+            assert os.getpriority(os.PRIO_PROCESS, n["pid"]) == -10
         text = cli("status", *common)
         assert text.returncode == 0 and f"{prefix}-n2" in text.stdout
 
@@ -96,6 +101,22 @@ def test_cli_cluster_runs_beside_another_and_goes_away(cluster: DevCluster, tmp_
     missing = cli("status", *common)
     assert missing.returncode == 1
     assert "no dev cluster" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_realtime_corosync_on_request(cluster_support: None, tmp_path: Path) -> None:
+    prefix = new_test_prefix()
+    common = ["--prefix", prefix, "--state-dir", str(tmp_path / "state")]
+    try:
+        up = cli("up", "--nodes", "1", "--realtime", *common)
+        assert up.returncode == 0, up.stderr
+        status = cli("status", "--json", *common)
+        assert status.returncode == 0, status.stderr
+        (node,) = json.loads(status.stdout)["nodes"]
+        # corosync's own default (sched_rr: yes): round-robin real-time scheduling.
+        assert os.sched_getscheduler(node["pid"]) == os.SCHED_RR
+    finally:
+        down = cli("down", *common)
+    assert down.returncode == 0, down.stderr
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path: Path) -> None:

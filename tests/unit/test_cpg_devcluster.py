@@ -56,21 +56,24 @@ def test_config_from_the_shipped_template() -> None:
         "nodeid: 2",
         "logfile: /x/n1/corosync.log",
         "state_dir: /x/n1/state",
-        "sched_rr: yes",
+        # All nodes share this machine's cores: corosync at nice -10, not real-time.
+        "\n    sched_rr: no\n",
+        "priority: -10",
     ):
         assert needle in text
+    assert "\n    sched_rr: yes\n" not in text
     assert text.count("node {") == 2
-    # Without real-time scheduling (devcluster up --no-realtime), for benchmarks on few cores.
-    slow = render_config(
+    # devcluster up --realtime: corosync's own default.
+    rt = render_config(
         devcluster.default_template().read_text(),
         cluster_name="t1",
         token_ms=1000,
         addresses=["10.213.9.1"],
         logfile="/x",
         state_dir="/y",
-        realtime=False,
+        realtime=True,
     )
-    assert "sched_rr: no" in slow and "sched_rr: yes" not in slow
+    assert "\n    sched_rr: yes\n" in rt and "\n    sched_rr: no\n" not in rt
 
 
 def test_unknown_template_field_is_an_error() -> None:
