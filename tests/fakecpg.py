@@ -57,3 +57,20 @@ class FakeCpg:
     def resume(self) -> None:
         self.paused = False
         self.wake.set()
+
+
+class _QuorateView:
+    def verdict(self, ring: tuple[int, int]) -> bool:
+        return True
+
+
+class FakeQuorum:
+    """Stands in for the votequorum reader of a ``ClusterNode``: every ring is quorate."""
+
+    view = _QuorateView()
+
+    async def wait_change(self) -> None:
+        await trio.sleep_forever()
+
+    def status(self) -> dict[str, Any]:
+        return {}

@@ -20,10 +20,13 @@ import pytest
 import trio
 from pamqp import commands
 
-from cpgbroker.cluster.errorcheck import ErrorRounds, majority
+from cpgbroker.cluster.errorcheck import ErrorRounds, Round, majority
+from cpgbroker.config import ClusterConfig, ServerConfig
+from cpgbroker.errors import ClusterError
 from cpgbroker.model import snapshot
 from cpgbroker.model.events import ClientData, Tick
-from cpgbroker.runtime.member import ClusterNode
+from cpgbroker.runtime.member import ClusterNode, member_id
+from fakecpg import Bus, FakeCpg, FakeQuorum
 from nodeharness import (
     Client,
     acks,
@@ -312,6 +315,39 @@ async def test_a_held_member_vouches_only_for_the_event_before_the_failed_one() 
         report = c._take_report()
         assert report.endswith((at - 1).to_bytes(8, "big")), "progress names the event before"
         nursery.cancel_scope.cancel()
+
+
+def test_a_member_that_caught_up_past_an_event_the_cluster_failed_takes_a_fresh_update() -> None:
+    """It became ready after the round opened, so nobody asked it, and its state has applied
+    the event every voter failed: it must not serve that state. With quorum it resynchronises
+    in the same process (a fresh state update); without a quorum reader it leaves."""
+
+    def newcomer(quorum: FakeQuorum | None) -> ClusterNode:
+        cfg = ServerConfig(cluster=ClusterConfig(group="g", size=3))
+        cpg = FakeCpg(Bus(), 3)
+        return ClusterNode(cfg, cpg, member_id(3, 1000), quorum=quorum)  # type: ignore[arg-type]
+
+    m1, m2 = member_id(1, 1000), member_id(2, 1000)
+    failed = Round(
+        seq=40,
+        outcomes=((m1, "apply-error: KeyError"), (m2, "apply-error: KeyError")),
+        decision="apply-error: KeyError",
+        losers=(),
+        gone=(),
+    )
+    node = newcomer(FakeQuorum())
+    node._on_round(failed)
+    assert node.suspended is not None and "rejoining through a state update" in node.suspended
+    assert node.discard_state, "its state must not be offered when it rejoins"
+
+    with pytest.raises(ClusterError, match="start it again"):
+        newcomer(None)._on_round(failed)
+
+    # Its state came from an updater that failed the event alike: nothing to do.
+    same = newcomer(FakeQuorum())
+    same._installed_from = (41, m1)
+    same._on_round(failed)
+    assert same.suspended is None and not same.discard_state
 
 
 async def test_control_requests_with_bad_bodies_get_400_and_the_endpoint_lives_on() -> None:

@@ -212,7 +212,10 @@ class ClusterNode(Node):
         # event log, its sequence numbers starting again at its update point: the event log
         # tells them apart by this number (the audit checks each incarnation's own stream).
         self.incarnation = incarnation
-        self.merged_away = False
+        # Its state must not be offered again when it rejoins (it holds what the serving
+        # members do not): merged back on the smaller side, or applied an event the cluster
+        # failed while it was catching up.
+        self.discard_state = False
         self.cluster_cfg = config.cluster
         self.membership = Membership(
             member,
@@ -916,7 +919,7 @@ class ClusterNode(Node):
         )
         if self.quorum is not None:
             # With quorum it has not served since the split; it resynchronises instead.
-            self.merged_away = True
+            self.discard_state = True
             self.suspend(
                 f"{reason}; rejoining through a state update (other side: {others})", RESYNC_TEXT
             )
@@ -1301,11 +1304,17 @@ class ClusterNode(Node):
             # that had failed it too.
             src = self._installed_from
             if src is None or src[0] < r.seq or src[1] in r.losers:
-                raise ClusterError(
+                reason = (
                     f"error-check at event {r.seq}: the cluster failed that event, which this "
-                    "member has applied (it was catching up); leaving: start it again to take "
-                    "a fresh state update"
+                    "member has applied (it was catching up)"
                 )
+                if self.quorum is not None:
+                    # Nothing else is wrong with it: it takes a fresh state update in this
+                    # process, as a member merged back on the smaller side does.
+                    self.discard_state = True
+                    self.suspend(f"{reason}; rejoining through a state update", RESYNC_TEXT)
+                    return
+                raise ClusterError(f"{reason}; leaving: start it again to take a fresh update")
         if stalled is None or stalled[0] != r.seq:
             return
         _seq, outcome, e, sender = stalled
@@ -1909,8 +1918,8 @@ class MemberProcess:
             if node.suspended is not None:
                 self.phase = "suspended"
                 self.last_suspension = node.suspended
-                if node.merged_away:
-                    self.kept = None  # the other side served on: its state replaces ours
+                if node.discard_state:
+                    self.kept = None  # the serving members' state replaces ours
                 elif node.ready.is_set() and node._ring is not None:
                     # Offered when rejoining, used only if nobody kept serving meanwhile.
                     self.kept = (node.broker, node._ring.seq)
