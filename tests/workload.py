@@ -1,9 +1,10 @@
 """Random but reproducible client workloads against the model, recorded as event logs.
 
-``generate(seed)`` drives a :class:`Harness` with several clients doing declares, binds,
-publishes (confirm and tx too), consumes, gets, acks, nacks, rejects, cancels, channel closes,
-disconnects, protocol garbage, ticks and tight do-output credit, and returns the applied event
-log. Replaying that log into a fresh broker must give the same state on any replica.
+``generate(seed)`` drives a :class:`Harness` with several clients doing declares (priority
+queues too), binds, publishes (confirm and tx too), consumes, gets, acks, nacks, rejects,
+cancels, channel closes, disconnects, protocol garbage, ticks and tight do-output credit, and
+returns the applied event log. Replaying that log into a fresh broker must give the same
+state on any replica.
 """
 
 from __future__ import annotations
@@ -44,7 +45,13 @@ def generate(seed: int, steps: int = 300, clients: int = 4, members: int = 3) ->
         c0.send(1, C.Exchange.Declare(exchange=name, exchange_type=kind))
     for q in QUEUES:
         args = rnd.choice(
-            [{}, {"x-message-ttl": 300}, {"x-max-length": 5}, {"x-dead-letter-exchange": "ex.f"}]
+            [
+                {},
+                {"x-message-ttl": 300},
+                {"x-max-length": 5},
+                {"x-dead-letter-exchange": "ex.f"},
+                {"x-max-priority": 3, "x-max-length": 6},
+            ]
         )
         c0.send(1, C.Queue.Declare(queue=q, arguments=args))
     c0.recv()
@@ -71,7 +78,13 @@ def generate(seed: int, steps: int = 300, clients: int = 4, members: int = 3) ->
             rk = q if ex == "" else rnd.choice(["a", "b", "a.b", q])
             batch = b"".join(
                 c.publish_bytes(
-                    1, ex, rk, rnd.randbytes(rnd.choice([0, 10, 300])), mandatory=rnd.random() < 0.2
+                    1,
+                    ex,
+                    rk,
+                    rnd.randbytes(rnd.choice([0, 10, 300])),
+                    # Priorities above a priority queue's maximum too (they count as it).
+                    C.Basic.Properties(priority=rnd.choice([None, 0, 1, 3, 7])),
+                    mandatory=rnd.random() < 0.2,
                 )
                 for _ in range(rnd.randint(1, 4))
             )

@@ -129,7 +129,7 @@ props = st.builds(
         max_size=3,
     ),
     delivery_mode=st.none() | st.sampled_from([1, 2]),
-    priority=st.none() | st.integers(0, 9),
+    priority=st.none() | st.integers(0, 255),
     correlation_id=st.none() | st.just("corr"),
     reply_to=st.none() | st.just("amq.rabbitmq.reply-to"),
     expiration=st.none() | st.integers(0, 10**9).map(str),
@@ -149,6 +149,7 @@ def test_parse_content_header_matches_pamqp(p: C.Basic.Properties, size: int):
     assert info.delivery_mode == (p.delivery_mode or 0)
     assert info.expiration == p.expiration
     assert info.user_id == p.user_id
+    assert fp.header_priority(payload) == (p.priority or 0)
     if p.headers:
         from pamqp import decode
 

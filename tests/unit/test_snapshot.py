@@ -14,7 +14,15 @@ import pytest
 from cpgbroker.errors import InvariantError
 from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker, VHost
-from cpgbroker.model.entities import Channel, Connection, Consumer, Entry, Message, Queue
+from cpgbroker.model.entities import (
+    Channel,
+    Connection,
+    Consumer,
+    Entry,
+    Message,
+    PriorityMessages,
+    Queue,
+)
 from cpgbroker.model.exchange import Binding, Exchange
 from cpgbroker.wire.framer import FrameReader
 from modelclient import Harness
@@ -45,6 +53,9 @@ def same(a: Any, b: Any, path: str, seen: dict[tuple[int, int], None]) -> None:
         for f in _fields(a):
             if f not in skip:
                 same(getattr(a, f), getattr(b, f), f"{path}.{f}", seen)
+    elif isinstance(a, PriorityMessages):
+        assert a.count == b.count, f"{path}: count {a.count} vs {b.count}"
+        same(a.bands, b.bands, f"{path}.bands", seen)
     elif isinstance(a, FrameReader):
         assert a.pending == b.pending and a.frame_max == b.frame_max, path
     elif isinstance(a, dict):
@@ -92,12 +103,18 @@ def test_walk_covers_rich_state() -> None:
             kinds["ready"] += len(q.messages)
             kinds["redelivered"] += sum(e.redelivered for e in q.messages)
             kinds["consumers"] += len(q.consumers)
+            if isinstance(q.messages, PriorityMessages):
+                # Messages of more than one priority waiting in a priority queue.
+                kinds["prioritised"] += sum(len(b) > 0 for b in q.messages.bands) > 1
         for c in b.connections.values():
             for ch in c.channels.values():
                 kinds["unacked"] += len(ch.unacked)
                 kinds["tx_ops"] += len(ch.tx_ops)
                 kinds["confirm"] += ch.confirm
-    assert all(kinds[k] > 0 for k in ("ready", "redelivered", "consumers", "unacked", "confirm"))
+    assert all(
+        kinds[k] > 0
+        for k in ("ready", "redelivered", "consumers", "unacked", "confirm", "prioritised")
+    ), kinds
 
 
 def test_digest_equals_hash_of_streamed_parts() -> None:

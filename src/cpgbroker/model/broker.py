@@ -42,7 +42,17 @@ from cpgbroker.errors import (
 )
 from cpgbroker.model import entities as E
 from cpgbroker.model.config import BrokerConfig
-from cpgbroker.model.entities import Channel, Connection, Consumer, Entry, Message, Queue
+from cpgbroker.model.entities import (
+    MAX_PRIORITY,
+    Channel,
+    Connection,
+    Consumer,
+    Entry,
+    Message,
+    Queue,
+    put_back,
+    ready_messages,
+)
 from cpgbroker.model.events import (
     ClientConnected,
     ClientData,
@@ -744,7 +754,7 @@ class Broker:
         if not ch.unacked:
             return
         touched: list[Queue] = []
-        # Back to the head of their queues in original order: push in reverse tag order.
+        # Back to their original places; in reverse tag order each lands at the head.
         for _tag, (q, e, c) in reversed(list(ch.unacked.items())):
             if c is not None:
                 c.unacked -= 1
@@ -753,7 +763,7 @@ class Broker:
                 self._account_removed(q, e)
                 continue
             e.redelivered = True
-            q.messages.appendleft(e)
+            put_back(q.messages, e)
             if q not in touched:
                 touched.append(q)
         ch.unacked.clear()
@@ -1685,7 +1695,7 @@ class Broker:
                     self._account_removed(q, e)
                     continue
                 e.redelivered = True
-                q.messages.appendleft(e)
+                put_back(q.messages, e)
                 self._track_ttl(q, e)
                 if q not in touched:
                     touched.append(q)
@@ -1828,6 +1838,7 @@ _QUEUE_ARGS = (
     "x-overflow",
     "x-dead-letter-exchange",
     "x-dead-letter-routing-key",
+    "x-max-priority",
     "x-queue-type",
 )
 
@@ -1873,6 +1884,29 @@ def _apply_queue_args(q: Queue, args: dict[str, Any]) -> None:
     qtype = args.get("x-queue-type", "classic")
     if qtype not in ("classic", "quorum"):
         raise invalid("x-queue-type", f"unsupported queue type '{qtype}'")
+    top = args.get("x-max-priority")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int)):
+        # (RabbitMQ words this one check differently from the others.)
+        raise invalid("x-max-priority", f'"expected integer, got {_amqp_type(top)}"')
+    top = int_arg("x-max-priority", 0)
+    if top is not None and top > MAX_PRIORITY:
+        raise invalid("x-max-priority", f"{{max_value_exceeded,{top}}}")
+    q.messages = ready_messages(args)
+
+
+def _amqp_type(v: object) -> str:
+    """The field-table type name of a decoded argument, as RabbitMQ names it in errors."""
+    for t, name in (
+        (bool, "bool"),
+        (str, "longstr"),
+        (bytes, "longstr"),
+        (float, "double"),
+        (dict, "table"),
+        (list, "array"),
+    ):
+        if isinstance(v, t):
+            return name
+    return "void" if v is None else type(v).__name__
 
 
 def _dead_letter_header(msg: Message, q: Queue, reason: str, now_ms: int) -> bytes:

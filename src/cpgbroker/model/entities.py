@@ -8,11 +8,14 @@ set, so that iteration order is the same on every replica whatever ``PYTHONHASHS
 
 from __future__ import annotations
 
+import bisect
 import collections
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import attrs
 
+from cpgbroker.wire.fastpath import header_priority
 from cpgbroker.wire.framer import FrameReader
 
 
@@ -77,6 +80,111 @@ class Entry:
         self.expires_at = expires_at
 
 
+# RabbitMQ's limit for x-max-priority: the priority property is one octet.
+MAX_PRIORITY = 255
+
+
+class PriorityMessages:
+    """The ready messages of a queue declared with ``x-max-priority``: one FIFO per priority,
+    the highest first. It offers the part of ``deque``'s interface the broker uses, so the
+    rest of the model treats both alike: ``[0]`` is the head (the next message to deliver),
+    ``popleft`` takes it, ``append`` queues a message behind those of its priority, iteration
+    is delivery order; :func:`put_back` puts a message back among those of its priority.
+
+    As in RabbitMQ, a message without a priority has priority 0 and one above the maximum
+    counts as the maximum; expiry and ``x-max-length`` act on the head, as in any queue."""
+
+    __slots__ = ("bands", "count")
+
+    def __init__(self, max_priority: int) -> None:
+        self.bands: list[collections.deque[Entry]] = [
+            collections.deque() for _ in range(max_priority + 1)
+        ]
+        self.count = 0
+
+    def _band(self, e: Entry) -> collections.deque[Entry]:
+        bands = self.bands
+        return bands[min(header_priority(e.msg.header), len(bands) - 1)]
+
+    def _head_band(self) -> collections.deque[Entry]:
+        for band in reversed(self.bands):
+            if band:
+                return band
+        raise IndexError("no ready messages")
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def __iter__(self) -> Iterator[Entry]:
+        for band in reversed(self.bands):
+            yield from band
+
+    def __getitem__(self, i: int) -> Entry:
+        if i != 0:
+            raise IndexError("only the head of a priority queue is addressed")
+        return self._head_band()[0]
+
+    def popleft(self) -> Entry:
+        e = self._head_band().popleft()
+        self.count -= 1
+        return e
+
+    def append(self, e: Entry) -> None:
+        self._band(e).append(e)
+        self.count += 1
+
+    def requeue(self, e: Entry) -> None:
+        _insert_by_age(self._band(e), e)
+        self.count += 1
+
+    def extend(self, entries: Iterable[Entry]) -> None:
+        for e in entries:
+            self.append(e)
+
+    def clear(self) -> None:
+        for band in self.bands:
+            band.clear()
+        self.count = 0
+
+
+def _insert_by_age(msgs: collections.deque[Entry], e: Entry) -> None:
+    # In front of every ready message published after it: message ids grow with publishing,
+    # so a queue's ready messages are in id order (but for transactions, whose messages get
+    # their ids at publish and join queues at commit: the search still finds one place, the
+    # same on every replica). Mostly the requeued message is older than all of them (the
+    # head); otherwise a binary search, not a walk, so that rejecting many messages one by
+    # one does not cost the square of their number.
+    mid = e.msg.id
+    if not msgs or msgs[0].msg.id > mid:
+        msgs.appendleft(e)
+    else:
+        msgs.insert(bisect.bisect_right(msgs, mid, key=_msg_id), e)
+
+
+def _msg_id(e: Entry) -> int:
+    return e.msg.id
+
+
+def put_back(msgs: collections.deque[Entry] | PriorityMessages, e: Entry) -> None:
+    """Put a message taken from ``msgs`` back at its original place where it can be, as
+    RabbitMQ does: rejecting A, B, C one by one gives A, B, C again, not C, B, A."""
+    if isinstance(msgs, PriorityMessages):
+        msgs.requeue(e)
+    else:
+        _insert_by_age(msgs, e)
+
+
+def ready_messages(arguments: dict[str, Any]) -> collections.deque[Entry] | PriorityMessages:
+    """The container for a queue's ready messages, by its (validated) declare arguments."""
+    top = arguments.get("x-max-priority")
+    if top is None:
+        return collections.deque()
+    return PriorityMessages(min(int(top), MAX_PRIORITY))
+
+
 class Consumer:
     __slots__ = (
         "args",
@@ -128,7 +236,8 @@ class Queue:
     overflow: str = "drop-head"
     dlx: str | None = None
     dlrk: str | None = None
-    messages: collections.deque[Entry] = attrs.Factory(collections.deque)
+    # A deque, or one per priority when declared with x-max-priority (PriorityMessages).
+    messages: collections.deque[Entry] | PriorityMessages = attrs.Factory(collections.deque)
     consumers: list[Consumer] = attrs.Factory(list)
     # Next consumer to try: round-robin start so competing consumers share fairly.
     rr: int = 0

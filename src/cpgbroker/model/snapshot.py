@@ -29,7 +29,15 @@ from cpgbroker.errors import InvariantError
 from cpgbroker.model import entities as E
 from cpgbroker.model.broker import Broker, VHost
 from cpgbroker.model.config import BrokerConfig
-from cpgbroker.model.entities import Channel, Connection, Consumer, Entry, Message, Queue
+from cpgbroker.model.entities import (
+    Channel,
+    Connection,
+    Consumer,
+    Entry,
+    Message,
+    Queue,
+    ready_messages,
+)
 from cpgbroker.model.exchange import Exchange
 from cpgbroker.wire import fastpath as fp
 from cpgbroker.wire.framer import FrameReader
@@ -164,7 +172,8 @@ def parts(b: Broker, chunk: int = CHUNK) -> Iterator[Any]:
 
     Queues are numbered once up front (also deleted queues that unacked deliveries or
     consumers still reference); a message shared by several queues travels once, with the
-    first part that references it.
+    first part that references it. It walks the live state: consume it to the end before the
+    broker applies another event (the updater's forked child and the digest do).
     """
     queues: list[Queue] = []
     qindex: dict[int, int] = {}
@@ -217,12 +226,13 @@ def parts(b: Broker, chunk: int = CHUNK) -> Iterator[Any]:
     }
     for i, q in enumerate(queues):
         yield ["queue", i, _queue(q)]
-        msgs = q.messages
-        for start in range(0, len(msgs), chunk):
+        # One pass over the queue (every consumer of these parts runs to the end without
+        # applying events in between): slicing again from the start for every chunk walked
+        # a priority queue's generator, or a deque, quadratically.
+        it = iter(q.messages)
+        for _ in range(0, len(q.messages), chunk):
             new: list[Any] = []
-            entries = [
-                entry(e, new) for e in itertools.islice(msgs, start, min(start + chunk, len(msgs)))
-            ]
+            entries = [entry(e, new) for e in itertools.islice(it, chunk)]
             yield ["entries", i, new, entries]
     for vh in b.vhosts.values():
         yield [
@@ -514,6 +524,8 @@ class Restorer:
                 last_used_ms=qd["last_used_ms"],
                 deleted=qd["deleted"],
                 bindings=[(x[0], x[1], x[2]) for x in qd["bindings"]],
+                # Per priority for x-max-priority: entries then go back to their bands.
+                messages=ready_messages(qd["arguments"]),
             )
         )
 
