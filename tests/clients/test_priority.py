@@ -5,20 +5,35 @@ passes against RabbitMQ 3.10.8."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pika
 import pika.exceptions as px
 import pytest
 from clientutil import BrokerProcess, blocking
 
+Chan = pika.adapters.blocking_connection.BlockingChannel
 
-def _publish(
-    ch: pika.adapters.blocking_connection.BlockingChannel, q: str, *prios: int | None
-) -> None:
+
+@contextlib.contextmanager
+def _channel(broker: BrokerProcess) -> Iterator[Chan]:
+    """A channel in confirm mode: a publish returns once the broker has it."""
+    c = blocking(broker.addr)
+    try:
+        ch = c.channel()
+        ch.confirm_delivery()
+        yield ch
+    finally:
+        c.close()
+
+
+def _publish(ch: Chan, q: str, *prios: int | None) -> None:
     for i, p in enumerate(prios):
         ch.basic_publish("", q, f"{i}:{p}".encode(), pika.BasicProperties(priority=p))
 
 
-def _drain(ch: pika.adapters.blocking_connection.BlockingChannel, q: str) -> list[str]:
+def _drain(ch: Chan, q: str) -> list[str]:
     got = []
     while True:
         _m, _p, body = ch.basic_get(q, auto_ack=True)
@@ -30,10 +45,7 @@ def _drain(ch: pika.adapters.blocking_connection.BlockingChannel, q: str) -> lis
 def test_highest_priority_first_and_fifo_within_a_priority(
     broker: BrokerProcess, prefix: str
 ) -> None:
-    c = blocking(broker.addr)
-    try:
-        ch = c.channel()
-        ch.confirm_delivery()
+    with _channel(broker) as ch:
         q = ch.queue_declare(f"{prefix}.pq", arguments={"x-max-priority": 10}).method.queue
         _publish(ch, q, 1, 5, None, 9, 5, 200, 0)
         assert ch.queue_declare(q, passive=True).method.message_count == 7
@@ -44,17 +56,12 @@ def test_highest_priority_first_and_fifo_within_a_priority(
         plain = ch.queue_declare(f"{prefix}.plain").method.queue
         _publish(ch, plain, 1, 9, 5)
         assert _drain(ch, plain) == ["0:1", "1:9", "2:5"]
-    finally:
-        c.close()
 
 
-def test_a_consumer_gets_priority_order_and_a_requeue_goes_in_front_of_its_priority(
+def test_a_consumer_gets_priority_order_and_a_requeued_message_its_place_back(
     broker: BrokerProcess, prefix: str
 ) -> None:
-    c = blocking(broker.addr)
-    try:
-        ch = c.channel()
-        ch.confirm_delivery()
+    with _channel(broker) as ch:
         q = ch.queue_declare(f"{prefix}.pq", arguments={"x-max-priority": 3}).method.queue
         _publish(ch, q, 1, 3, 2, 3)
         method, _p, body = ch.basic_get(q)
@@ -70,8 +77,6 @@ def test_a_consumer_gets_priority_order_and_a_requeue_goes_in_front_of_its_prior
                 break
         ch.cancel()
         assert got == [("1:3", True), ("3:3", False), ("2:2", False), ("0:1", False)]
-    finally:
-        c.close()
 
 
 @pytest.mark.parametrize(
@@ -86,20 +91,14 @@ def test_a_consumer_gets_priority_order_and_a_requeue_goes_in_front_of_its_prior
 def test_a_bad_max_priority_is_406(
     broker: BrokerProcess, prefix: str, value: object, why: str
 ) -> None:
-    c = blocking(broker.addr)
-    try:
-        with pytest.raises(px.ChannelClosedByBroker) as info:
-            c.channel().queue_declare(f"{prefix}.bad", arguments={"x-max-priority": value})
-        assert info.value.reply_code == 406
-        assert "x-max-priority" in info.value.reply_text and why in info.value.reply_text
-    finally:
-        c.close()
+    with _channel(broker) as ch, pytest.raises(px.ChannelClosedByBroker) as info:
+        ch.queue_declare(f"{prefix}.bad", arguments={"x-max-priority": value})
+    assert info.value.reply_code == 406
+    assert "x-max-priority" in info.value.reply_text and why in info.value.reply_text
 
 
 def test_redeclare_with_another_max_priority_is_406(broker: BrokerProcess, prefix: str) -> None:
-    c = blocking(broker.addr)
-    try:
-        ch = c.channel()
+    with _channel(broker) as ch:
         q = ch.queue_declare(f"{prefix}.pq", arguments={"x-max-priority": 5}).method.queue
         ch.queue_declare(q, arguments={"x-max-priority": 5})  # the same: fine
         with pytest.raises(px.ChannelClosedByBroker) as info:
@@ -107,8 +106,6 @@ def test_redeclare_with_another_max_priority_is_406(broker: BrokerProcess, prefi
         assert info.value.reply_code == 406 and "inequivalent arg 'x-max-priority'" in (
             info.value.reply_text
         )
-    finally:
-        c.close()
 
 
 @pytest.mark.parametrize("arguments", [{}, {"x-max-priority": 5}])
@@ -117,10 +114,7 @@ def test_messages_rejected_one_by_one_go_back_to_their_places(
 ) -> None:
     # RabbitMQ puts a requeued message back at its original position where it can: taking
     # A, B, C and rejecting them one by one in the order B, A, C queues A, B, C again.
-    c = blocking(broker.addr)
-    try:
-        ch = c.channel()
-        ch.confirm_delivery()
+    with _channel(broker) as ch:
         q = ch.queue_declare(f"{prefix}.q", arguments=arguments).method.queue
         _publish(ch, q, 2, 2, 2, 2)
         tags = {}
@@ -130,5 +124,3 @@ def test_messages_rejected_one_by_one_go_back_to_their_places(
         for name in ("1:2", "0:2", "2:2"):
             ch.basic_reject(tags[name], requeue=True)
         assert _drain(ch, q) == ["0:2", "1:2", "2:2", "3:2"]
-    finally:
-        c.close()
