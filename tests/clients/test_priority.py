@@ -97,6 +97,18 @@ def test_a_bad_max_priority_is_406(
     assert "x-max-priority" in info.value.reply_text and why in info.value.reply_text
 
 
+def test_a_quorum_queue_refuses_priorities(broker: BrokerProcess, prefix: str) -> None:
+    with _channel(broker) as ch, pytest.raises(px.ChannelClosedByBroker) as info:
+        ch.queue_declare(
+            f"{prefix}.qq", durable=True, arguments={"x-queue-type": "quorum", "x-max-priority": 5}
+        )
+    assert info.value.reply_code == 406
+    assert info.value.reply_text.endswith(
+        "invalid arg 'x-max-priority' for queue "
+        f"'{prefix}.qq' in vhost '/' of queue type rabbit_quorum_queue"
+    )
+
+
 def test_redeclare_with_another_max_priority_is_406(broker: BrokerProcess, prefix: str) -> None:
     with _channel(broker) as ch:
         q = ch.queue_declare(f"{prefix}.pq", arguments={"x-max-priority": 5}).method.queue

@@ -1891,6 +1891,14 @@ def _apply_queue_args(q: Queue, args: dict[str, Any]) -> None:
     top = int_arg("x-max-priority", 0)
     if top is not None and top > MAX_PRIORITY:
         raise invalid("x-max-priority", f"{{max_value_exceeded,{top}}}")
+    if top is not None and qtype == "quorum":
+        # Every queue here is replicated, but an application written against us should
+        # still declare on RabbitMQ, whose quorum queues refuse priorities.
+        raise ChannelError(
+            R.PRECONDITION_FAILED,
+            f"invalid arg 'x-max-priority' for queue '{q.name}' in vhost '{q.vhost}' "
+            "of queue type rabbit_quorum_queue",
+        )
     q.messages = ready_messages(args)
 
 
