@@ -184,6 +184,8 @@ def test_node_failure_closes_its_clients_everywhere_and_cluster_continues(
     ch2 = c2.channel()
     ch2.queue_declare("survive")
     ch2.basic_consume("survive", lambda *a: None)
+    # consume-ok means member 2 applied the consume; member 1 may apply it a moment later.
+    brokers.converged([1, 2, 3])
     assert queues(brokers, 1)["/:survive"]["consumers"] == 1
     cluster.kill(2)  # corosync of node 2 dies: a machine failure as the others see it
     deadline = time.monotonic() + 15

@@ -50,6 +50,8 @@ def test_partitioned_member_stops_serving_and_rejoins_through_an_update(
     ch3 = c3.channel()
     ch3.queue_declare("minority")
     ch3.basic_consume("minority", lambda *a: None)
+    # consume-ok means member 3 applied the consume; member 1 may apply it a moment later.
+    brokers.converged([1, 2, 3])
     assert queues(brokers, 1)["/:minority"]["consumers"] == 1
 
     t0 = time.monotonic()
