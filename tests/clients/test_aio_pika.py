@@ -217,7 +217,16 @@ def test_message_expiration_and_queue_ttl(broker: BrokerProcess, prefix: str) ->
         await ch.default_exchange.publish(Message(b"short", expiration=0.1), q.name)
         await ch.default_exchange.publish(Message(b"long"), q.name)
         await ch.default_exchange.publish(Message(b"x"), ttl_q.name)
-        await asyncio.sleep(0.6)
+
+        async def depth(name: str) -> int:
+            declared = await ch.declare_queue(name, passive=True)
+            return int(declared.declaration_result.message_count)
+
+        # Expiry runs on the broker's clock ticks: poll rather than trust one fixed sleep.
+        deadline = asyncio.get_running_loop().time() + 5
+        while (await depth(q.name), await depth(ttl_q.name)) != (1, 0):
+            assert asyncio.get_running_loop().time() < deadline, "messages did not expire"
+            await asyncio.sleep(0.1)
         msg = await q.get(no_ack=True)
         assert msg.body == b"long"
         assert await q.get(fail=False) is None

@@ -444,7 +444,9 @@ def test_tx_commit_and_rollback(broker: BrokerProcess, prefix: str) -> None:
 
 
 def test_queue_message_ttl_expires_messages(ch: Any, prefix: str) -> None:
-    q = declare(ch, f"{prefix}.q", arguments={"x-message-ttl": 200})
+    # Long enough that the count right after the confirm sees it on a slow machine too (the
+    # expiry clock ticks every 100 ms, so a message may live up to a tick less).
+    q = declare(ch, f"{prefix}.q", arguments={"x-message-ttl": 1000})
     ch.confirm_delivery()  # once confirmed, the message is in the queue
     ch.basic_publish("", q, b"short-lived")
     assert message_count(ch, q) == 1
@@ -560,7 +562,7 @@ def test_max_length_reject_publish_nacks_confirm(ch: Any, prefix: str) -> None:
 
 
 def test_queue_expires_when_unused(ch: Any, prefix: str) -> None:
-    q = declare(ch, f"{prefix}.q", arguments={"x-expires": 300})
+    q = declare(ch, f"{prefix}.q", arguments={"x-expires": 1000})
     assert message_count(ch, q) == 0
 
     def gone() -> bool:
@@ -580,9 +582,9 @@ def test_queue_expires_when_unused(ch: Any, prefix: str) -> None:
 def test_queue_with_consumer_does_not_expire(
     conn: pika.BlockingConnection, ch: Any, prefix: str
 ) -> None:
-    q = declare(ch, f"{prefix}.q", arguments={"x-expires": 200})
+    q = declare(ch, f"{prefix}.q", arguments={"x-expires": 1000})
     ch.basic_consume(q, lambda *a: None, auto_ack=True)
-    conn.process_data_events(time_limit=0.8)
+    conn.process_data_events(time_limit=2.5)
     other = conn.channel()
     assert other.queue_declare(q, passive=True).method.consumer_count == 1
 

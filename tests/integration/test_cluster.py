@@ -310,6 +310,7 @@ def test_member_list_reaches_clients(brokers: BrokerSet) -> None:
 def test_status_command_shows_members_and_queues(brokers: BrokerSet) -> None:
     c = connect(brokers, 1)
     c.channel().queue_declare("visible")
+    brokers.converged([1, 2, 3])  # member 2 may apply the declare a moment after member 1
     out = subprocess.run(
         [sys.executable, "-m", "cpgbroker", "status", "--url", brokers.admin(2)],
         capture_output=True,

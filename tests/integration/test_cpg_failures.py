@@ -42,7 +42,7 @@ def members_now(events: list[Any]) -> int:
 def detection_bound(cluster: DevCluster) -> float:
     # corosync declares a node dead after the token timeout plus consensus (1.2 x token); the
     # slack covers scheduling on a loaded 2-core machine (see docs/cpg-binding.md).
-    return cluster.token_ms * 2.2 / 1000 + 3.0
+    return cluster.token_ms * 2.2 / 1000 + 5.0
 
 
 async def collect(adapter: TrioCpg, sink: list[CpgEvent]) -> None:
@@ -79,10 +79,12 @@ async def test_kill_gives_nodedown_in_time_and_node_rejoins(cluster: DevCluster)
         # The client on the killed node learns at once that its corosync is gone.
         killed_at = time.monotonic()
         cluster.kill(3)
+        # kill() returns once the process is gone: from then on, at once.
+        dead_at = time.monotonic()
         with trio.fail_after(2), pytest.raises(CpgConnectionLost):
             while True:
                 await a3.receive()
-        assert time.monotonic() - killed_at < 1.0
+        assert time.monotonic() - dead_at < 1.0
 
         # The survivors see the member leave with NODEDOWN within token + consensus.
         await wait_for(
@@ -153,7 +155,9 @@ def test_pause_longer_than_the_token_is_reported_as_a_hazard_everywhere(
     events: list[list[Any]] = [[], [], []]
     assert dispatch_until(handles, events, lambda: members_now(events[0]) == 3, 10)
     cluster.stop(2)
-    time.sleep(cluster.token_ms * 1.3 / 1000)
+    # Well past the token (a late timer on a busy machine still sees it missing), well
+    # before token + consensus (2.2 x token).
+    time.sleep(cluster.token_ms * 1.6 / 1000)
     cluster.resume(2)
 
     def hazard(i: int) -> bool:
@@ -211,7 +215,11 @@ def test_finalize_and_rejoin_in_a_loop_leaks_nothing(
     assert set(after[1]) <= set(before[1])
     assert after[2] == before[2]
     assert rss_after - rss_before < 4096, f"RSS grew by {rss_after - rss_before} KiB"
-    # corosync forgot every one of those members: only the observer is left in the group.
+    # corosync forgot every one of those members: only the observer is left in the group
+    # (the last one's leave reaches node 2 over the ring a moment after its close).
+    deadline = time.monotonic() + 10
+    while observer.membership() != (Member(2, PID),) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert observer.membership() == (Member(2, PID),)
 
 

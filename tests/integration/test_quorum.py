@@ -19,9 +19,10 @@ from cpgbroker.devcluster import DevCluster
 pytestmark = pytest.mark.integration
 
 # The dev cluster runs with token 1000 ms: a cut link is noticed after token + consensus
-# (1.2 x token), about 2.2 s. The margin covers a 2-core machine shared with other work.
+# (1.2 x token), about 2.2 s. The margin covers a 2-core machine shared with other work
+# (a flood of publishes in test_stable_confirms keeps both cores busy meanwhile).
 TOKEN_S = 1.0
-STOP_WITHIN = TOKEN_S * 2.2 + 3.0
+STOP_WITHIN = TOKEN_S * 2.2 + 6.0
 
 
 def not_serving(s: dict[str, Any]) -> bool:

@@ -21,7 +21,7 @@ import pika
 import pika.exceptions
 import pytest
 import test_update as tu
-from brokerclients import assert_same_properties, connect, drain, queues
+from brokerclients import assert_same_properties, connect, drain, queues, wait_state
 
 from cpgbroker.devbrokers import BrokerSet
 from cpgbroker.devcluster import DevCluster
@@ -258,6 +258,9 @@ def test_partially_received_frames(old: BrokerSet, join: Any) -> None:
     try:
         late = join()
         raw.sendall(tu.RAW_REST)  # the rest of the frame: the publish happens everywhere
+        # Nothing answers a publish: wait until member 1 applied it, so that the get below
+        # (another client, another member) is ordered after it.
+        wait_state(old, 1, lambda s: s["queues"].get("/:pf.q", {}).get("ready") == 1)
         tu.same_state([(old, 1), (late, 1)])
         assert [b for b, _p, _r in tu.get_all(ch_on(late, 1), "pf.q")] == [b"completed-later"]
     finally:
