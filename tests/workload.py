@@ -1,10 +1,10 @@
 """Random but reproducible client workloads against the model, recorded as event logs.
 
-``generate(seed)`` drives a :class:`Harness` with several clients doing declares (priority
-queues too), binds, publishes (confirm and tx too), consumes, gets, acks, nacks, rejects,
-cancels, channel closes, disconnects, protocol garbage, ticks and tight do-output credit, and
-returns the applied event log. Replaying that log into a fresh broker must give the same
-state on any replica.
+``generate(seed)`` drives a :class:`Harness` with several clients doing declares (priority and
+single-active-consumer queues too), binds, publishes (confirm and tx too), consumes, gets,
+acks, nacks, rejects, cancels, channel closes, disconnects, protocol garbage, ticks and tight
+do-output credit, and returns the applied event log. Replaying that log into a fresh broker
+must give the same state on any replica.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def generate(seed: int, steps: int = 300, clients: int = 4, members: int = 3) ->
                 {"x-max-length": 5},
                 {"x-dead-letter-exchange": "ex.f"},
                 {"x-max-priority": 3, "x-max-length": 6},
+                {"x-single-active-consumer": True},
             ]
         )
         c0.send(1, C.Queue.Declare(queue=q, arguments=args))

@@ -91,6 +91,42 @@ def test_a_priority_queue_hands_out_one_order_through_every_member(brokers: Brok
         assert queues(brokers, n)["/:prio"]["ready"] == 0
 
 
+def test_single_active_consumer_fails_over_to_the_next_member_in_order(
+    brokers: BrokerSet,
+) -> None:
+    c1 = connect(brokers, 1)
+    ch1 = c1.channel()
+    ch1.confirm_delivery()
+    ch1.queue_declare("ordered", arguments={"x-single-active-consumer": True})
+    # The active consumer on member 3 holds five deliveries; the next in line is on member 2.
+    c3 = connect(brokers, 3)
+    ch3 = c3.channel()
+    ch3.basic_qos(prefetch_count=5)
+    held: list[bytes] = []
+    ch3.basic_consume("ordered", lambda c, m, p, b: held.append(b))
+    c2 = connect(brokers, 2)
+    ch2 = c2.channel()
+    got: list[tuple[bytes, bool]] = []
+    ch2.basic_consume(
+        "ordered",
+        lambda c, m, p, b: (got.append((b, m.redelivered)), c.basic_ack(m.delivery_tag)),
+    )
+    sent = [b"%d" % i for i in range(20)]
+    for body in sent:
+        ch1.basic_publish("", "ordered", body)  # returns once confirmed
+    drain(c3, lambda: len(held) == 5)
+    c2.process_data_events(0.5)
+    assert held == sent[:5] and got == [], "only the eldest consumer gets messages"
+    brokers.kill(3)  # kill -9 the active consumer's member
+    # The next consumer takes over: the five unacked first (redelivered), then the rest, in
+    # publish order, and nothing twice.
+    drain(c2, lambda: len(got) == 20)
+    c2.process_data_events(0.3)
+    assert got == [(b, i < 5) for i, b in enumerate(sent)]
+    brokers.converged([1, 2])
+    assert queues(brokers, 1)["/:ordered"] == {"ready": 0, "unacked": 0, "consumers": 1}
+
+
 def _mixed_client(url: str, idx: int, errors: list[str]) -> None:
     try:
         p = pika.URLParameters(url)

@@ -740,8 +740,9 @@ class Broker:
 
     def _release_channel(self, ch: Channel) -> None:
         conn = ch.conn
-        for c in list(ch.consumers.values()):
-            self._remove_consumer(c)
+        # As in RabbitMQ, the consumer that takes over a single-active-consumer queue gets the
+        # requeued messages before the rest: requeue first, then hand over.
+        handover = [c.queue for c in list(ch.consumers.values()) if self._remove_consumer(c)]
         ch.consumers.clear()
         ch.pending = None
         ch.tx_ops.clear()
@@ -749,6 +750,9 @@ class Broker:
             self._flush_channel_confirms(ch)
             conn.confirm_dirty.remove(ch)
         self._requeue_all(ch)
+        for q in handover:
+            if not q.deleted:
+                self._dispatch(q)
 
     def _requeue_all(self, ch: Channel) -> None:
         if not ch.unacked:
@@ -1067,16 +1071,14 @@ class Broker:
                             f"'{vh.name}': received {_fmt(new)} but current is {_fmt(old)}",
                         )
                 for key in sorted({**args, **q.arguments}):
-                    if (
-                        key.startswith("x-")
-                        and key in _QUEUE_ARGS
-                        and args.get(key) != q.arguments.get(key)
-                    ):
+                    new, cur = args.get(key), q.arguments.get(key)
+                    if key.startswith("x-") and key in _QUEUE_ARGS and new != cur:
+                        # RabbitMQ names the type of a value compared with an absent one.
+                        typed = new is None or cur is None
                         raise ChannelError(
                             R.PRECONDITION_FAILED,
                             f"inequivalent arg '{key}' for queue '{name}' in vhost '{vh.name}': "
-                            f"received {_fmt(args.get(key))} but current is "
-                            f"{_fmt(q.arguments.get(key))}",
+                            f"received {_fmt(new, typed)} but current is {_fmt(cur, typed)}",
                         )
                 q.last_used_ms = self.now_ms
         ch.last_queue = q.name
@@ -1211,8 +1213,8 @@ class Broker:
         c = ch.consumers.pop(m.consumer_tag, None)
         if not m.nowait:
             self._send_method(conn, ch.id, commands.Basic.CancelOk(consumer_tag=m.consumer_tag))
-        if c is not None:
-            self._remove_consumer(c)
+        if c is not None and self._remove_consumer(c):
+            self._dispatch(c.queue)  # the next consumer takes over
 
     def _detach_unacked(self, c: Consumer) -> None:
         """A consumer goes away (cancel, channel close, queue delete): its unacked deliveries
@@ -1225,8 +1227,11 @@ class Broker:
                     ch.unacked[tag] = (dq, e, None)
             c.unacked = 0
 
-    def _remove_consumer(self, c: Consumer) -> None:
+    def _remove_consumer(self, c: Consumer) -> bool:
+        """True if ``c`` was the active consumer of a single-active-consumer queue that still
+        has consumers: the caller dispatches the queue, for the next one to take over."""
         q = c.queue
+        handover = False
         self._detach_unacked(c)
         if c in q.consumers:
             idx = q.consumers.index(c)
@@ -1235,9 +1240,11 @@ class Broker:
                 q.rr -= 1
             if q.rr >= len(q.consumers):
                 q.rr = 0
+            handover = idx == 0 and q.single_active and bool(q.consumers)
         q.last_used_ms = self.now_ms
         if q.auto_delete and q.had_consumers and not q.consumers and not q.deleted:
             self._delete_queue(q)
+        return handover
 
     def _b_get(self, conn: Connection, ch: Channel, m: Any) -> None:
         q = self._queue(conn, ch, m.queue)
@@ -1558,7 +1565,8 @@ class Broker:
         if not msgs or not consumers:
             return
         now = self.now_ms
-        n = len(consumers)
+        # A single-active-consumer queue offers messages to its eldest consumer only.
+        n = 1 if q.single_active else len(consumers)
         while msgs:
             e = msgs[0]
             if e.expires_at is not None and e.expires_at < now:
@@ -1814,12 +1822,11 @@ def _over(q: Queue, size: int) -> bool:
     )
 
 
-def _fmt(v: Any) -> str:
-    if isinstance(v, bool):
-        return "'true'" if v else "'false'"
+def _fmt(v: Any, typed: bool = False) -> str:
     if v is None:
         return "none"
-    return f"'{v}'"
+    text = ("'true'" if v else "'false'") if isinstance(v, bool) else f"'{v}'"
+    return f"the value {text} of type '{_amqp_type(v)}'" if typed else text
 
 
 def _drop_queue_binding(q: Queue, ex_name: str, key: str, args: dict[str, Any]) -> None:
@@ -1840,6 +1847,7 @@ _QUEUE_ARGS = (
     "x-dead-letter-routing-key",
     "x-max-priority",
     "x-queue-type",
+    "x-single-active-consumer",
 )
 
 
@@ -1900,6 +1908,10 @@ def _apply_queue_args(q: Queue, args: dict[str, Any]) -> None:
             "of queue type rabbit_quorum_queue",
         )
     q.messages = ready_messages(args)
+    sac = args.get("x-single-active-consumer", False)
+    if not isinstance(sac, bool):
+        raise invalid("x-single-active-consumer", f"{{unacceptable_type,{_amqp_type(sac)}}}")
+    q.single_active = sac
 
 
 def _amqp_type(v: object) -> str:
@@ -1914,6 +1926,9 @@ def _amqp_type(v: object) -> str:
     ):
         if isinstance(v, t):
             return name
+    if isinstance(v, int):
+        # What the value travelled as, as pika and most clients encode a Python int.
+        return "signedint" if -(1 << 31) <= v < (1 << 31) else "long"
     return "void" if v is None else type(v).__name__
 
 

@@ -246,6 +246,9 @@ class Queue:
     overflow: str = "drop-head"
     dlx: str | None = None
     dlrk: str | None = None
+    # x-single-active-consumer: only the eldest consumer (consumers[0]) gets messages; when it
+    # goes, the next in registration order takes over.
+    single_active: bool = False
     # A deque, or one per priority when declared with x-max-priority (PriorityMessages).
     messages: collections.deque[Entry] | PriorityMessages = attrs.Factory(collections.deque)
     consumers: list[Consumer] = attrs.Factory(list)

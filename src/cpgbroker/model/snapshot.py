@@ -42,7 +42,8 @@ from cpgbroker.model.exchange import Exchange
 from cpgbroker.wire import fastpath as fp
 from cpgbroker.wire.framer import FrameReader
 
-SNAPSHOT_FORMAT = 1
+# 2: queues carry single_active (x-single-active-consumer).
+SNAPSHOT_FORMAT = 2
 
 # Attributes deliberately left out of snapshots (see module docstring).
 NOT_REPLICATED = {
@@ -310,6 +311,7 @@ def _queue(q: Queue) -> dict[str, Any]:
         "overflow": q.overflow,
         "dlx": q.dlx,
         "dlrk": q.dlrk,
+        "single_active": q.single_active,
         "rr": q.rr,
         "unacked": q.unacked,
         "ready_bytes": q.ready_bytes,
@@ -517,6 +519,7 @@ class Restorer:
                 overflow=qd["overflow"],
                 dlx=qd["dlx"],
                 dlrk=qd["dlrk"],
+                single_active=qd["single_active"],
                 rr=qd["rr"],
                 unacked=qd["unacked"],
                 ready_bytes=qd["ready_bytes"],
