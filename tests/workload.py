@@ -1,10 +1,10 @@
 """Random but reproducible client workloads against the model, recorded as event logs.
 
 ``generate(seed)`` drives a :class:`Harness` with several clients doing declares (priority and
-single-active-consumer queues too), binds, publishes (confirm and tx too), consumes, gets,
-acks, nacks, rejects, cancels, channel closes, disconnects, protocol garbage, ticks and tight
-do-output credit, and returns the applied event log. Replaying that log into a fresh broker
-must give the same state on any replica.
+single-active-consumer queues too), binds, publishes (confirm and tx too), consumes (with
+consumer priorities too), gets, acks, nacks, rejects, cancels, channel closes, disconnects,
+protocol garbage, ticks and tight do-output credit, and returns the applied event log.
+Replaying that log into a fresh broker must give the same state on any replica.
 """
 
 from __future__ import annotations
@@ -98,7 +98,15 @@ def generate(seed: int, steps: int = 300, clients: int = 4, members: int = 3) ->
             ex, kind = rnd.choice(EXCHANGES)
             c.send(1, C.Queue.Bind(queue=q, exchange=ex, routing_key=rnd.choice(["a", "#", "*.b"])))
         elif op < 0.48:
-            c.send(1, C.Basic.Consume(queue=q, no_ack=rnd.random() < 0.3))
+            prio = rnd.choice([None, None, -1, 0, 5])  # consumer priorities (x-priority)
+            c.send(
+                1,
+                C.Basic.Consume(
+                    queue=q,
+                    no_ack=rnd.random() < 0.3,
+                    arguments={} if prio is None else {"x-priority": prio},
+                ),
+            )
         elif op < 0.55:
             tags = list(ch.consumers)
             if tags:

@@ -1,8 +1,9 @@
 """Single active consumer (``x-single-active-consumer``) as pika sees it, with RabbitMQ's
 rules: of a queue's consumers only the eldest gets messages; when it is cancelled or its
-channel or connection closes, the next in the order they subscribed takes over, and messages
-the old one had not acknowledged go back to their places. Every test here also passes against
-RabbitMQ 3.10.8 but one, which says where RabbitMQ differs.
+channel or connection closes, the next in the order they subscribed takes over. Messages the
+old one had not acknowledged stay with its channel after a cancel and go back to their places
+when it closes. Every test here also passes against RabbitMQ 3.10.8 but one, which says where
+RabbitMQ differs.
 
 Each consumer has a connection of its own: pika's blocking adapter may hold back deliveries to
 one channel while it waits for a reply on another channel of the same connection."""
@@ -227,3 +228,11 @@ def test_bad_value_and_inequivalent_redeclare_are_406(
     assert e.value.reply_text.endswith(
         "received the value 'true' of type 'bool' but current is none"
     )
+
+
+def test_an_exclusive_consumer_is_refused_even_on_an_unused_queue(ch: Chan, prefix: str) -> None:
+    q = ch.queue_declare(f"{prefix}.sac", arguments=SAC).method.queue
+    with pytest.raises(px.ChannelClosedByBroker) as e:
+        ch.connection.channel().basic_consume(q, lambda *a: None, exclusive=True)
+    assert e.value.reply_code == 403
+    assert e.value.reply_text == f"ACCESS_REFUSED - queue '{q}' in vhost '/' in exclusive use"

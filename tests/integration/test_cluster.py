@@ -127,6 +127,39 @@ def test_single_active_consumer_fails_over_to_the_next_member_in_order(
     assert queues(brokers, 1)["/:ordered"] == {"ready": 0, "unacked": 0, "consumers": 1}
 
 
+def test_consumer_priorities_hold_across_members(brokers: BrokerSet) -> None:
+    c1 = connect(brokers, 1)
+    ch1 = c1.channel()
+    ch1.confirm_delivery()
+    ch1.queue_declare("ranked")
+    # The high-priority consumer (member 2) takes two at a time; the low one (member 3) gets
+    # messages only while the high one is full, whichever member's grant comes first.
+    c2, c3 = connect(brokers, 2), connect(brokers, 3)
+    hi_ch = c2.channel()
+    hi_ch.basic_qos(prefetch_count=2)
+    hi: list[tuple[int, bytes]] = []
+    lo: list[bytes] = []
+    hi_ch.basic_consume(
+        "ranked", lambda c, m, p, b: hi.append((m.delivery_tag, b)), arguments={"x-priority": 9}
+    )
+    c3.channel().basic_consume("ranked", lambda c, m, p, b: lo.append(b), auto_ack=True)
+    for i in range(6):
+        ch1.basic_publish("", "ranked", b"%d" % i)
+    drain(c2, lambda: len(hi) == 2)
+    drain(c3, lambda: len(lo) == 4)
+    assert [b for _t, b in hi] == [b"0", b"1"] and lo == [b"2", b"3", b"4", b"5"]
+    # Room again on the high one: the next message is its.
+    hi_ch.basic_ack(hi[-1][0], multiple=True)
+    # basic.ack has no reply: a round trip on the same channel makes sure it was applied
+    # before the publish on member 1 enters the cluster order.
+    hi_ch.queue_declare("ranked", passive=True)
+    ch1.basic_publish("", "ranked", b"6")
+    drain(c2, lambda: len(hi) == 3)
+    c3.process_data_events(0.3)
+    assert hi[-1][1] == b"6" and len(lo) == 4
+    brokers.converged([1, 2, 3])
+
+
 def _mixed_client(url: str, idx: int, errors: list[str]) -> None:
     try:
         p = pika.URLParameters(url)

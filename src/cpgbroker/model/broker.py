@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import datetime
 import hashlib
+from collections.abc import Iterable
 from typing import Any
 
 from pamqp import commands, decode
@@ -200,7 +201,10 @@ class Broker:
         elif t is ClusterMembers:
             self._on_members(event.urls)  # type: ignore[union-attr]
         elif t is MemberLeft:
-            for conn in [c for c in self.connections.values() if c.member == event.member]:  # type: ignore[union-attr]
+            gone = [c for c in self.connections.values() if c.member == event.member]  # type: ignore[union-attr]
+            for conn in gone:
+                _mark_closing(conn)  # none of them may take over what another gives back
+            for conn in gone:
                 self._drop_connection(conn, "cluster member left", notify=False)
         else:
             raise InvariantError(f"unknown event {event!r}")
@@ -408,6 +412,9 @@ class Broker:
     def _release_connection(self, conn: Connection) -> None:
         """Give back everything the connection holds: unacked messages are requeued, consumers
         cancelled, exclusive queues deleted (spec: when the connection closes)."""
+        # Its channels are all going: no consumer on one may be handed what another one gives
+        # back (a single-active-consumer queue's takeover, a requeue's dispatch).
+        _mark_closing(conn)
         for ch in list(conn.channels.values()):
             self._release_channel(ch)
         conn.channels.clear()
@@ -1072,7 +1079,12 @@ class Broker:
                         )
                 for key in sorted({**args, **q.arguments}):
                     new, cur = args.get(key), q.arguments.get(key)
-                    if key.startswith("x-") and key in _QUEUE_ARGS and new != cur:
+                    # Typed: true is not 1 (RabbitMQ compares the field-table types too).
+                    if (
+                        key.startswith("x-")
+                        and key in _QUEUE_ARGS
+                        and (new != cur or type(new) is not type(cur))
+                    ):
                         # RabbitMQ names the type of a value compared with an absent one.
                         typed = new is None or cur is None
                         raise ChannelError(
@@ -1195,12 +1207,23 @@ class Broker:
         tag = m.consumer_tag or self._next_name(conn, "amq.ctag-")
         if tag in ch.consumers:
             raise ConnectionError_(R.NOT_ALLOWED, f"attempt to reuse consumer tag '{tag}'")
-        if q.consumers and (m.exclusive or any(c.exclusive for c in q.consumers)):
+        # RabbitMQ refuses an exclusive consumer on a single-active-consumer queue outright.
+        if (q.consumers or q.single_active) and (
+            m.exclusive or any(c.exclusive for c in q.consumers)
+        ):
             raise ChannelError(
                 R.ACCESS_REFUSED,
                 f"queue '{q.name}' in vhost '{q.vhost}' in exclusive use",
             )
-        c = Consumer(tag, q, ch, m.no_ack, m.exclusive, ch.prefetch_count, dict(m.arguments or {}))
+        args = dict(m.arguments or {})
+        prio = args.get("x-priority", 0)
+        if isinstance(prio, bool) or not isinstance(prio, int):
+            raise ChannelError(
+                R.PRECONDITION_FAILED,
+                f"invalid arg 'x-priority' for queue '{q.name}' in vhost '{q.vhost}': "
+                f'"expected integer, got {_amqp_type(prio)}"',
+            )
+        c = Consumer(tag, q, ch, m.no_ack, m.exclusive, ch.prefetch_count, args)
         ch.consumers[tag] = c
         q.consumers.append(c)
         q.had_consumers = True
@@ -1567,6 +1590,10 @@ class Broker:
         now = self.now_ms
         # A single-active-consumer queue offers messages to its eldest consumer only.
         n = 1 if q.single_active else len(consumers)
+        # Consumer priorities (x-priority): the highest that can take a message gets it, in
+        # turn among equals; a lower one only while all higher ones cannot (prefetch full,
+        # flow off, their connection not draining), as in RabbitMQ.
+        ranked = n > 1 and any(c.priority for c in consumers)
         while msgs:
             e = msgs[0]
             if e.expires_at is not None and e.expires_at < now:
@@ -1575,8 +1602,17 @@ class Broker:
                 continue
             chosen: Consumer | None = None
             start = q.rr
-            for i in range(n):
+            order: Iterable[int] = range(n)
+            # The priority of a consumer that only waits for its connection's do-output grant:
+            # a lower one must not take the message meanwhile (every fresh connection waits for
+            # its first grant, and whose grant comes first is no measure of who can take more).
+            waiting: int | None = None
+            if ranked:
+                order = sorted(order, key=lambda i: (-consumers[(start + i) % n].priority, i))
+            for i in order:
                 c = consumers[(start + i) % n]
+                if waiting is not None and c.priority < waiting:
+                    break
                 ch = c.channel
                 if not ch.flow_active or ch.closing:
                     continue
@@ -1590,6 +1626,8 @@ class Broker:
                     if not conn.want_output:
                         conn.want_output = True
                         self._effects.append(WantOutput(conn.id))
+                    if ranked and waiting is None:
+                        waiting = c.priority
                     continue
                 chosen = c
                 q.rr = (start + i + 1) % n
@@ -1820,6 +1858,11 @@ def _over(q: Queue, size: int) -> bool:
     return (q.max_length is not None and len(q.messages) + 1 > q.max_length) or (
         q.max_length_bytes is not None and q.ready_bytes + size > q.max_length_bytes
     )
+
+
+def _mark_closing(conn: Connection) -> None:
+    for ch in conn.channels.values():
+        ch.closing = True
 
 
 def _fmt(v: Any, typed: bool = False) -> str:

@@ -202,6 +202,7 @@ class Consumer:
         "exclusive",
         "no_ack",
         "prefetch",
+        "priority",
         "queue",
         "tag",
         "tag_b",
@@ -228,6 +229,9 @@ class Consumer:
         self.prefetch = prefetch
         self.unacked = 0
         self.args = args
+        # x-priority (validated at consume): higher goes first; derived from ``args`` so that
+        # snapshots need not carry it.
+        self.priority = int(args.get("x-priority", 0))
 
 
 @attrs.define(eq=False)
