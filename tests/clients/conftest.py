@@ -6,6 +6,8 @@
   not share state).
 * ``broker_factory``: starts brokers with a custom TOML configuration written to
   ``tmp_path``; every broker it started is stopped after the test.
+* ``confirm_ch``: a pika channel in confirm mode on the session broker (a publish returns
+  once the broker has it).
 * ``prefix``: a per-test unique prefix for queue and exchange names, so tests that share the
   session broker never see each other's entities.
 
@@ -22,8 +24,9 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import pika
 import pytest
-from clientutil import BrokerFactory, BrokerProcess, start_broker
+from clientutil import BrokerFactory, BrokerProcess, blocking, start_broker
 
 TEST_DEADLINE = 45.0
 
@@ -64,6 +67,17 @@ def broker_factory(tmp_path: Path) -> Iterator[BrokerFactory]:
 @pytest.fixture
 def fresh_broker(broker_factory: BrokerFactory) -> BrokerProcess:
     return broker_factory()
+
+
+@pytest.fixture
+def confirm_ch(
+    broker: BrokerProcess,
+) -> Iterator[pika.adapters.blocking_connection.BlockingChannel]:
+    c = blocking(broker.addr)
+    channel = c.channel()
+    channel.confirm_delivery()
+    yield channel
+    c.close()
 
 
 _prefix_counter = itertools.count(1)

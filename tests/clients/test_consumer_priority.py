@@ -22,13 +22,9 @@ Chan = pika.adapters.blocking_connection.BlockingChannel
 
 
 @pytest.fixture
-def ch(broker: BrokerProcess) -> Iterator[Chan]:
-    """A publishing channel in confirm mode: a publish returns once the broker has it."""
-    c = blocking(broker.addr)
-    channel = c.channel()
-    channel.confirm_delivery()
-    yield channel
-    c.close()
+def ch(confirm_ch: Chan) -> Chan:
+    """The publishing channel, in confirm mode: a publish returns once the broker has it."""
+    return confirm_ch
 
 
 @pytest.fixture

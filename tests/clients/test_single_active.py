@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import Iterator
 from typing import Any
 
 import pika
@@ -52,13 +51,9 @@ class Consumer:
 
 
 @pytest.fixture
-def ch(broker: BrokerProcess) -> Iterator[Chan]:
-    """A publishing channel in confirm mode: a publish returns once the broker has it."""
-    c = blocking(broker.addr)
-    channel = c.channel()
-    channel.confirm_delivery()
-    yield channel
-    c.close()
+def ch(confirm_ch: Chan) -> Chan:
+    """The publishing channel, in confirm mode: a publish returns once the broker has it."""
+    return confirm_ch
 
 
 def _publish(ch: Chan, q: str, *bodies: bytes) -> None:
