@@ -1,10 +1,11 @@
 """Random but reproducible client workloads against the model, recorded as event logs.
 
-``generate(seed)`` drives a :class:`Harness` with several clients doing declares (priority and
-single-active-consumer queues too), binds, publishes (confirm and tx too), consumes (with
-consumer priorities too), gets, acks, nacks, rejects, cancels, channel closes, disconnects,
-protocol garbage, ticks and tight do-output credit, and returns the applied event log.
-Replaying that log into a fresh broker must give the same state on any replica.
+``generate(seed)`` drives a :class:`Harness` with several clients doing declares (priority,
+single-active-consumer and quorum queues with a delivery limit too), binds, publishes (confirm
+and tx too), consumes (with consumer priorities too), gets, acks, nacks, rejects, cancels,
+channel closes, disconnects, protocol garbage, ticks and tight do-output credit, and returns
+the applied event log. Replaying that log into a fresh broker must give the same state on any
+replica.
 """
 
 from __future__ import annotations
@@ -52,9 +53,12 @@ def generate(seed: int, steps: int = 300, clients: int = 4, members: int = 3) ->
                 {"x-dead-letter-exchange": "ex.f"},
                 {"x-max-priority": 3, "x-max-length": 6},
                 {"x-single-active-consumer": True},
+                {"x-queue-type": "quorum", "x-delivery-limit": 1, "x-dead-letter-exchange": "ex.f"},
             ]
         )
-        c0.send(1, C.Queue.Declare(queue=q, arguments=args))
+        # (A quorum queue must be durable.)
+        durable = args.get("x-queue-type") == "quorum"
+        c0.send(1, C.Queue.Declare(queue=q, durable=durable, arguments=args))
     c0.recv()
 
     for _ in range(steps):

@@ -160,6 +160,33 @@ def test_consumer_priorities_hold_across_members(brokers: BrokerSet) -> None:
     brokers.converged([1, 2, 3])
 
 
+def test_a_poison_message_in_a_quorum_queue_is_dead_lettered_whichever_member_returns_it(
+    brokers: BrokerSet,
+) -> None:
+    ch1 = connect(brokers, 1).channel()
+    ch1.confirm_delivery()
+    ch1.exchange_declare("poison.dlx", "fanout")
+    ch1.queue_declare("poison.dead")
+    ch1.queue_bind("poison.dead", "poison.dlx")
+    args = {"x-queue-type": "quorum", "x-delivery-limit": 2, "x-dead-letter-exchange": "poison.dlx"}
+    ch1.queue_declare("poison", durable=True, arguments=args)
+    ch1.basic_publish("", "poison", b"bad")
+    counts = []
+    # Members 2 and 3 take turns failing it; each return counts on every member.
+    for n in (2, 3, 2):
+        ch = connect(brokers, n).channel()
+        method, props, _body = ch.basic_get("poison")
+        counts.append((props.headers or {}).get("x-delivery-count", 0))
+        ch.basic_nack(method.delivery_tag, requeue=True)
+        ch.queue_declare("poison", durable=True, arguments=args)  # the nack applied first
+    assert counts == [0, 1, 2]
+    ch3 = connect(brokers, 3).channel()
+    assert ch3.basic_get("poison")[0] is None
+    _m, props, body = ch3.basic_get("poison.dead", auto_ack=True)
+    assert body == b"bad" and props.headers["x-first-death-reason"] == "delivery_limit"
+    brokers.converged([1, 2, 3])
+
+
 def _mixed_client(url: str, idx: int, errors: list[str]) -> None:
     try:
         p = pika.URLParameters(url)

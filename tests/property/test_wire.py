@@ -157,6 +157,23 @@ def test_parse_content_header_matches_pamqp(p: C.Basic.Properties, size: int):
         assert decode.field_table(payload[start:end])[1] == p.headers
 
 
+@given(props, st.integers(0, 2**40), st.integers(0, 2**62))
+def test_with_delivery_count_matches_pamqp(p: C.Basic.Properties, size: int, count: int):
+    payload = H.ContentHeader(0, size, p).marshal()
+    patched = fp.with_delivery_count(payload, count)
+    got = H.ContentHeader()
+    got.unmarshal(patched)
+    assert got.body_size == size
+    assert got.properties.headers == {**(p.headers or {}), "x-delivery-count": count}
+    for name in ("content_type", "content_encoding", "delivery_mode", "priority", "expiration"):
+        assert getattr(got.properties, name) == getattr(p, name)
+    # A count the publisher set itself is replaced, not repeated.
+    again = fp.with_delivery_count(patched, count + 1)
+    got.unmarshal(again)
+    assert got.properties.headers["x-delivery-count"] == count + 1
+    assert len(got.properties.headers) == len(p.headers or {}) + 1
+
+
 @given(st.binary(max_size=200), st.integers(1, 30))
 @settings(max_examples=200)
 def test_garbage_after_handshake_never_escapes_the_model(garbage: bytes, step: int):

@@ -773,13 +773,16 @@ class Broker:
             if q.deleted:
                 self._account_removed(q, e)
                 continue
-            e.redelivered = True
-            put_back(q.messages, e)
             if q not in touched:
                 touched.append(q)
+            if self._over_delivery_limit(q, e):
+                continue
+            e.redelivered = True
+            put_back(q.messages, e)
         ch.unacked.clear()
         for q in reversed(touched):
-            self._track_ttl(q, q.messages[0])
+            if q.messages:
+                self._track_ttl(q, q.messages[0])
             self._dispatch(q)
 
     def _channel_method(self, conn: Connection, ch: int, index: int, payload: bytes) -> None:
@@ -1290,7 +1293,14 @@ class Broker:
             self._emit(
                 conn,
                 fp.encode_get_ok(ch.id, tag, e.redelivered, msg.ex_b, msg.rk_b, len(q.messages))
-                + fp.encode_content(ch.id, msg.header, msg.body, conn.frame_max),
+                + fp.encode_content(
+                    ch.id,
+                    fp.with_delivery_count(msg.header, e.delivery_count)
+                    if e.delivery_count
+                    else msg.header,
+                    msg.body,
+                    conn.frame_max,
+                ),
             )
 
     def _basic_publish(self, conn: Connection, ch: Channel, payload: bytes) -> None:
@@ -1545,6 +1555,18 @@ class Broker:
         ):
             self._set_blocked(False)
 
+    def _over_delivery_limit(self, q: Queue, e: Entry) -> bool:
+        """A message comes back to a quorum queue: count it; past x-delivery-limit it is
+        dead-lettered (or dropped) instead, as RabbitMQ's quorum queues do with poison
+        messages."""
+        if not q.quorum:
+            return False
+        e.delivery_count += 1
+        if q.delivery_limit is None or e.delivery_count <= q.delivery_limit:
+            return False
+        self._settle_dropped(q, e, "delivery_limit")
+        return True
+
     def _settle_dropped(self, q: Queue, e: Entry, reason: str) -> None:
         """A message leaves ``q`` without being consumed: dead-letter it if configured."""
         self._account_removed(q, e)
@@ -1652,9 +1674,14 @@ class Broker:
         conn.last_tx_ms = self.now_ms
         if conn.emit:
             msg = e.msg
+            header = (
+                fp.with_delivery_count(msg.header, e.delivery_count)
+                if e.delivery_count
+                else msg.header
+            )
             data = fp.encode_deliver(
                 ch.id, c.tag_b, tag, e.redelivered, msg.ex_b, msg.rk_b
-            ) + fp.encode_content(ch.id, msg.header, msg.body, conn.frame_max)
+            ) + fp.encode_content(ch.id, header, msg.body, conn.frame_max)
             if not conn.outbuf:
                 self._dirty.append(conn)
             conn.outbuf.append(data)
@@ -1740,11 +1767,13 @@ class Broker:
                 if q.deleted:
                     self._account_removed(q, e)
                     continue
+                if q not in touched:
+                    touched.append(q)
+                if self._over_delivery_limit(q, e):
+                    continue
                 e.redelivered = True
                 put_back(q.messages, e)
                 self._track_ttl(q, e)
-                if q not in touched:
-                    touched.append(q)
             touched.reverse()
         else:
             for q, e, c in settled:
@@ -1891,6 +1920,7 @@ _QUEUE_ARGS = (
     "x-max-priority",
     "x-queue-type",
     "x-single-active-consumer",
+    "x-delivery-limit",
 )
 
 
@@ -1951,6 +1981,26 @@ def _apply_queue_args(q: Queue, args: dict[str, Any]) -> None:
             "of queue type rabbit_quorum_queue",
         )
     q.messages = ready_messages(args)
+    q.quorum = qtype == "quorum"
+    if q.quorum:
+        # As RabbitMQ: a quorum queue is durable and outlives its declarer.
+        for bad, prop in (
+            (not q.durable, "non-durable"),
+            (q.exclusive_owner is not None, "exclusive-owner"),
+            (q.auto_delete, "auto-delete"),
+        ):
+            if bad:
+                raise ChannelError(
+                    R.PRECONDITION_FAILED,
+                    f"invalid property '{prop}' for queue '{q.name}' in vhost '{q.vhost}'",
+                )
+    elif "x-delivery-limit" in args:
+        raise ChannelError(
+            R.PRECONDITION_FAILED,
+            f"invalid arg 'x-delivery-limit' for queue '{q.name}' in vhost '{q.vhost}' "
+            "of queue type rabbit_classic_queue",
+        )
+    q.delivery_limit = int_arg("x-delivery-limit", 0)
     sac = args.get("x-single-active-consumer", False)
     if not isinstance(sac, bool):
         raise invalid("x-single-active-consumer", f"{{unacceptable_type,{_amqp_type(sac)}}}")

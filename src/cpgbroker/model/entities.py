@@ -72,12 +72,17 @@ class Message:
 class Entry:
     """A message's place in one queue: ready in ``Queue.messages`` or unacked on a channel."""
 
-    __slots__ = ("expires_at", "msg", "redelivered")
+    __slots__ = ("delivery_count", "expires_at", "msg", "redelivered")
 
-    def __init__(self, msg: Message, redelivered: bool, expires_at: int | None) -> None:
+    def __init__(
+        self, msg: Message, redelivered: bool, expires_at: int | None, delivery_count: int = 0
+    ) -> None:
         self.msg = msg
         self.redelivered = redelivered
         self.expires_at = expires_at
+        # Quorum queues only: how often it came back (requeued, or its channel closed); from 1
+        # on, deliveries carry it as x-delivery-count.
+        self.delivery_count = delivery_count
 
 
 # RabbitMQ's limit for x-max-priority: the priority property is one octet.
@@ -253,6 +258,9 @@ class Queue:
     # x-single-active-consumer: only the eldest consumer (consumers[0]) gets messages; when it
     # goes, the next in registration order takes over.
     single_active: bool = False
+    # x-queue-type quorum: deliveries carry x-delivery-count; x-delivery-limit applies.
+    quorum: bool = False
+    delivery_limit: int | None = None
     # A deque, or one per priority when declared with x-max-priority (PriorityMessages).
     messages: collections.deque[Entry] | PriorityMessages = attrs.Factory(collections.deque)
     consumers: list[Consumer] = attrs.Factory(list)

@@ -42,7 +42,8 @@ from cpgbroker.model.exchange import Exchange
 from cpgbroker.wire import fastpath as fp
 from cpgbroker.wire.framer import FrameReader
 
-# 2: queues carry single_active (x-single-active-consumer).
+# 2: queues carry single_active (x-single-active-consumer), quorum and delivery_limit; entries
+#    of quorum queues their delivery count (a fourth element, when not 0).
 SNAPSHOT_FORMAT = 2
 
 # Attributes deliberately left out of snapshots (see module docstring).
@@ -211,6 +212,8 @@ def parts(b: Broker, chunk: int = CHUNK) -> Iterator[Any]:
         if m.id not in sent:
             sent[m.id] = None
             new.append(_message(m))
+        if e.delivery_count:
+            return [m.id, e.redelivered, e.expires_at, e.delivery_count]
         return [m.id, e.redelivered, e.expires_at]
 
     yield {
@@ -312,6 +315,8 @@ def _queue(q: Queue) -> dict[str, Any]:
         "dlx": q.dlx,
         "dlrk": q.dlrk,
         "single_active": q.single_active,
+        "quorum": q.quorum,
+        "delivery_limit": q.delivery_limit,
         "rr": q.rr,
         "unacked": q.unacked,
         "ready_bytes": q.ready_bytes,
@@ -452,7 +457,7 @@ class Restorer:
             self._messages(part[2])
             q = self.queues[part[1]]
             msgs = self.msgs
-            q.messages.extend(Entry(msgs[r[0]], r[1], r[2]) for r in part[3])
+            q.messages.extend(Entry(msgs[r[0]], *r[1:]) for r in part[3])
             self.messages += len(part[3])
         elif kind == "queue":
             self._queue(part[1], part[2])
@@ -499,7 +504,7 @@ class Restorer:
             self.msgs[m[0]] = _restore_message(m)
 
     def _entry(self, raw: list[Any]) -> Entry:
-        return Entry(self.msgs[raw[0]], raw[1], raw[2])
+        return Entry(self.msgs[raw[0]], *raw[1:])
 
     def _queue(self, i: int, qd: dict[str, Any]) -> None:
         if i != len(self.queues):
@@ -520,6 +525,8 @@ class Restorer:
                 dlx=qd["dlx"],
                 dlrk=qd["dlrk"],
                 single_active=qd["single_active"],
+                quorum=qd["quorum"],
+                delivery_limit=qd["delivery_limit"],
                 rr=qd["rr"],
                 unacked=qd["unacked"],
                 ready_bytes=qd["ready_bytes"],

@@ -226,6 +226,48 @@ def header_priority(payload: bytes) -> int:
     return payload[p]
 
 
+_DELIVERY_COUNT_KEY = b"\x10x-delivery-count"
+_I64 = struct.Struct(">q")
+
+
+def with_delivery_count(payload: bytes, count: int) -> bytes:
+    """The content header ``payload`` with ``x-delivery-count: count`` (a signed 64-bit field,
+    as RabbitMQ's quorum queues send it) set in its headers table, for the redelivery of a
+    message that came back to a quorum queue. Patched rather than re-encoded by pamqp: a
+    poison message may come back many times."""
+    flags = payload[12] << 8 | payload[13]
+    p = 14
+    if flags & FLAG_CONTENT_TYPE:
+        p += 1 + payload[p]
+    if flags & FLAG_CONTENT_ENCODING:
+        p += 1 + payload[p]
+    field = _DELIVERY_COUNT_KEY + b"l" + _I64.pack(count)
+    if not flags & FLAG_HEADERS:
+        flags |= FLAG_HEADERS
+        return b"".join(
+            (
+                payload[:12],
+                bytes((flags >> 8, flags & 0xFF)),
+                payload[14:p],
+                _U32.pack(len(field)),
+                field,
+                payload[p:],
+            )
+        )
+    size = _U32.unpack_from(payload, p)[0]
+    end = p + 4 + size
+    if _DELIVERY_COUNT_KEY in payload[p + 4 : end]:
+        # The publisher sent one itself (rare): replace it, through pamqp.
+        from pamqp import decode, encode
+
+        table = decode.field_table(payload[p:end])[1]
+        table["x-delivery-count"] = count
+        return payload[:p] + encode.field_table(table) + payload[end:]
+    return b"".join(
+        (payload[:p], _U32.pack(size + len(field)), payload[p + 4 : end], field, payload[end:])
+    )
+
+
 def parse_content_header(payload: bytes) -> HeaderInfo:
     """Walk the property list once, picking out the few fields routing and expiry need."""
     class_id, _weight, body_size, flags = _CH_HDR.unpack_from(payload, 0)
