@@ -56,7 +56,7 @@ def test_deliveries_count_returns_and_the_limit_dead_letters(confirm_ch: Chan, p
     ch.queue_declare(q, durable=True, arguments=args)
     ch.basic_publish("", q, b"m", pika.BasicProperties(headers={"a": 1}))
     seen = []
-    while True:
+    for _ in range(10):  # bounded: a broken limit fails instead of looping
         m, p, _body = ch.basic_get(q)
         if m is None:
             break
@@ -116,7 +116,7 @@ def test_consumers_get_the_count_too_and_without_a_limit_it_only_counts(
 
     k.basic_consume(q, on)
     try:
-        for _ in range(50):
+        for _ in range(300):  # up to 15 s
             if len(got) == 5:
                 break
             conn.process_data_events(time_limit=0.05)

@@ -442,6 +442,7 @@ class Broker:
             return
         conn.credit = limit
         conn.want_output = False
+        conn.granted = True
         if conn.state != E.OPEN:
             return
         # Queues are visited in channel and consumer order: deterministic.
@@ -765,8 +766,12 @@ class Broker:
         if not ch.unacked:
             return
         touched: list[Queue] = []
+        # Taken off the channel first: a dead-lettered one may be delivered again on it below.
+        items = list(ch.unacked.values())
+        ch.unacked.clear()
+        over: list[tuple[Queue, Entry]] = []
         # Back to their original places; in reverse tag order each lands at the head.
-        for _tag, (q, e, c) in reversed(list(ch.unacked.items())):
+        for q, e, c in reversed(items):
             if c is not None:
                 c.unacked -= 1
             q.unacked -= 1
@@ -776,10 +781,11 @@ class Broker:
             if q not in touched:
                 touched.append(q)
             if self._over_delivery_limit(q, e):
+                over.append((q, e))
                 continue
             e.redelivered = True
             put_back(q.messages, e)
-        ch.unacked.clear()
+        self._dead_letter_over_limit(over)
         for q in reversed(touched):
             if q.messages:
                 self._track_ttl(q, q.messages[0])
@@ -871,8 +877,9 @@ class Broker:
     def _ch_flow(self, conn: Connection, ch: Channel, m: Any) -> None:
         ch.flow_active = bool(m.active)
         self._send_method(conn, ch.id, commands.Channel.FlowOk(active=ch.flow_active))
-        if ch.flow_active:
-            self._dispatch_channel(ch)
+        # On: its consumers take messages again. Off: lower-priority consumers may no longer
+        # have to wait for its consumers.
+        self._dispatch_channel(ch)
 
     def _ch_flow_ok(self, conn: Connection, ch: Channel, m: Any) -> None:
         return
@@ -1254,8 +1261,9 @@ class Broker:
             c.unacked = 0
 
     def _remove_consumer(self, c: Consumer) -> bool:
-        """True if ``c`` was the active consumer of a single-active-consumer queue that still
-        has consumers: the caller dispatches the queue, for the next one to take over."""
+        """True if the queue still has consumers and ready messages: the caller dispatches it
+        (the next single active consumer takes over; a lower-priority consumer may no longer
+        have to wait for this one)."""
         q = c.queue
         handover = False
         self._detach_unacked(c)
@@ -1266,7 +1274,7 @@ class Broker:
                 q.rr -= 1
             if q.rr >= len(q.consumers):
                 q.rr = 0
-            handover = idx == 0 and q.single_active and bool(q.consumers)
+            handover = bool(q.consumers) and bool(q.messages)
         q.last_used_ms = self.now_ms
         if q.auto_delete and q.had_consumers and not q.consumers and not q.deleted:
             self._delete_queue(q)
@@ -1555,17 +1563,21 @@ class Broker:
         ):
             self._set_blocked(False)
 
-    def _over_delivery_limit(self, q: Queue, e: Entry) -> bool:
-        """A message comes back to a quorum queue: count it; past x-delivery-limit it is
-        dead-lettered (or dropped) instead, as RabbitMQ's quorum queues do with poison
-        messages."""
+    @staticmethod
+    def _over_delivery_limit(q: Queue, e: Entry) -> bool:
+        """A message comes back to a quorum queue: count it; True if that is past its
+        x-delivery-limit (the caller dead-letters it instead, as RabbitMQ's quorum queues do
+        with poison messages)."""
         if not q.quorum:
             return False
         e.delivery_count += 1
-        if q.delivery_limit is None or e.delivery_count <= q.delivery_limit:
-            return False
-        self._settle_dropped(q, e, "delivery_limit")
-        return True
+        return q.delivery_limit is not None and e.delivery_count > q.delivery_limit
+
+    def _dead_letter_over_limit(self, over: list[tuple[Queue, Entry]]) -> None:
+        """``over`` was collected newest first (returns walk back from the last tag): dead-letter
+        in delivery order, as the messages were published."""
+        for q, e in reversed(over):
+            self._settle_dropped(q, e, "delivery_limit")
 
     def _settle_dropped(self, q: Queue, e: Entry, reason: str) -> None:
         """A message leaves ``q`` without being consumed: dead-letter it if configured."""
@@ -1625,9 +1637,11 @@ class Broker:
             chosen: Consumer | None = None
             start = q.rr
             order: Iterable[int] = range(n)
-            # The priority of a consumer that only waits for its connection's do-output grant:
-            # a lower one must not take the message meanwhile (every fresh connection waits for
-            # its first grant, and whose grant comes first is no measure of who can take more).
+            # The priority of a consumer whose connection waits for its first do-output grant: a
+            # lower one must not take the message meanwhile (every fresh connection waits for
+            # one, and whose comes first is no measure of who can take more). Out of credit
+            # later, a connection has not drained what it was given: it cannot take more, and
+            # lower ones may (RabbitMQ's credit flow); so a stuck client holds nobody up.
             waiting: int | None = None
             if ranked:
                 order = sorted(order, key=lambda i: (-consumers[(start + i) % n].priority, i))
@@ -1648,7 +1662,7 @@ class Broker:
                     if not conn.want_output:
                         conn.want_output = True
                         self._effects.append(WantOutput(conn.id))
-                    if ranked and waiting is None:
+                    if ranked and waiting is None and not conn.granted:
                         waiting = c.priority
                     continue
                 chosen = c
@@ -1760,6 +1774,7 @@ class Broker:
             settled = [item]
         touched: list[Queue] = []
         if requeue:
+            over: list[tuple[Queue, Entry]] = []
             for q, e, c in reversed(settled):
                 if c is not None:
                     c.unacked -= 1
@@ -1770,10 +1785,12 @@ class Broker:
                 if q not in touched:
                     touched.append(q)
                 if self._over_delivery_limit(q, e):
+                    over.append((q, e))
                     continue
                 e.redelivered = True
                 put_back(q.messages, e)
                 self._track_ttl(q, e)
+            self._dead_letter_over_limit(over)
             touched.reverse()
         else:
             for q, e, c in settled:

@@ -334,6 +334,9 @@ class Connection:
     # do-output credit: deliveries the owner allows before it must grant more.
     credit: int = 0
     want_output: bool = False
+    # Whether the owner ever granted output: until then a lack of credit says nothing about
+    # whether the client can take more (consumer priorities wait for the first grant only).
+    granted: bool = False
     last_rx_ms: int = 0
     last_tx_ms: int = 0
     close_deadline: int | None = None

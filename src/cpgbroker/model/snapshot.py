@@ -43,7 +43,8 @@ from cpgbroker.wire import fastpath as fp
 from cpgbroker.wire.framer import FrameReader
 
 # 2: queues carry single_active (x-single-active-consumer), quorum and delivery_limit; entries
-#    of quorum queues their delivery count (a fourth element, when not 0).
+#    of quorum queues their delivery count (a fourth element, when not 0); connections whether
+#    they were ever granted output.
 SNAPSHOT_FORMAT = 2
 
 # Attributes deliberately left out of snapshots (see module docstring).
@@ -346,6 +347,7 @@ def _connection(c: Connection, qref: Any, entry: Any) -> dict[str, Any]:
         "client_properties": c.client_properties,
         "credit": c.credit,
         "want_output": c.want_output,
+        "granted": c.granted,
         "last_rx_ms": c.last_rx_ms,
         "last_tx_ms": c.last_tx_ms,
         "close_deadline": c.close_deadline,
@@ -581,6 +583,7 @@ class Restorer:
             client_properties=cd["client_properties"],
             credit=cd["credit"],
             want_output=cd["want_output"],
+            granted=cd["granted"],
             last_rx_ms=cd["last_rx_ms"],
             last_tx_ms=cd["last_tx_ms"],
             close_deadline=cd["close_deadline"],

@@ -149,8 +149,9 @@ def encode_nack(channel: int, delivery_tag: int, multiple: bool) -> bytes:
 
 
 def encode_content(channel: int, header_payload: bytes, body: bytes, frame_max: int) -> bytes:
-    """Content header frame (the client's own header bytes, never re-encoded) and body frames
-    split to the receiving connection's ``frame_max``."""
+    """Content header frame (the payload as given: the client's own bytes, not re-encoded, or
+    a dead-letter or redelivery copy of them) and body frames split to the receiving
+    connection's ``frame_max``."""
     parts: list[bytes | memoryview] = [
         _HEAD.pack(FRAME_HEADER, channel, len(header_payload)),
         header_payload,

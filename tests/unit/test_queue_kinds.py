@@ -1,7 +1,12 @@
-"""Single active consumer and consumer priorities in the model: the takeover never goes to a
-consumer that is itself going away (another channel of a closing connection, another
-connection of a member that left), an exclusive consumer is refused, as RabbitMQ refuses it,
-and a lower-priority consumer does not take what a higher one only waits to be granted."""
+"""Single active consumer, consumer priorities and quorum-queue returns in the model.
+
+* The takeover of a single-active-consumer queue never goes to a consumer that is itself going
+  away (another channel of a closing connection, another connection of a member that left),
+  and an exclusive consumer is refused, as RabbitMQ refuses it.
+* A lower-priority consumer does not take what a higher one only waits for its first grant to
+  take; it does when that one goes, or has been granted output and not drained it.
+* Messages past a quorum queue's x-delivery-limit are dead-lettered in publish order, and a
+  copy dead-lettered by basic.recover to a consumer on the same channel stays deliverable."""
 
 from pamqp import commands as C
 
@@ -111,3 +116,82 @@ def test_a_higher_priority_consumer_waiting_for_its_grant_keeps_a_lower_one_wait
     assert lo.deliveries() == [] and hi.deliveries() == []
     h.apply(DoOutput(1, 10))
     assert [b for _m, b in hi.deliveries()] == [b"m"] and lo.deliveries() == []
+
+
+def _ranked(h: Harness) -> tuple[Client, Client]:
+    """hi (priority 10) never granted output, lo (priority 0) granted; one queue, q."""
+    h.auto_credit = False
+    hi, lo = opened(h, 1), opened(h, 2)
+    hi.rpc(1, C.Queue.Declare(queue="q"))
+    for c, prio in ((hi, 10), (lo, 0)):
+        c.send(1, C.Basic.Consume(queue="q", consumer_tag="t", arguments={"x-priority": prio}))
+    h.apply(DoOutput(2, 10))
+    lo.recv()
+    return hi, lo
+
+
+def test_a_waiting_higher_consumer_that_goes_lets_the_lower_one_take() -> None:
+    h = Harness()
+    hi, lo = _ranked(h)
+    hi.publish(1, "", "q", b"m")
+    assert lo.deliveries() == []
+    hi.send(1, C.Basic.Cancel(consumer_tag="t"))
+    assert [b for _m, b in lo.deliveries()] == [b"m"]
+
+
+def test_a_consumer_that_was_granted_and_ran_out_holds_nobody_up() -> None:
+    """Out of credit after a grant, its client has not drained what it got: as in RabbitMQ's
+    credit flow, it cannot take more now and a lower one may (a stuck client stalls no one)."""
+    h = Harness()
+    hi, lo = _ranked(h)
+    h.apply(DoOutput(1, 1))
+    hi.publish(1, "", "q", b"1")
+    hi.publish(1, "", "q", b"2")
+    assert [b for _m, b in hi.deliveries()] == [b"1"]
+    assert [b for _m, b in lo.deliveries()] == [b"2"]
+
+
+def _quorum_with_dlx(c: Client, limit: int) -> None:
+    c.rpc(1, C.Exchange.Declare(exchange="dlx", exchange_type="fanout"))
+    c.rpc(1, C.Queue.Declare(queue="dead"))
+    c.rpc(1, C.Queue.Bind(queue="dead", exchange="dlx"))
+    args = {"x-queue-type": "quorum", "x-delivery-limit": limit, "x-dead-letter-exchange": "dlx"}
+    c.rpc(1, C.Queue.Declare(queue="qq", durable=True, arguments=args))
+
+
+def test_recover_past_the_limit_dead_letters_to_a_consumer_on_the_same_channel() -> None:
+    h = Harness()
+    c = opened(h, 1)
+    _quorum_with_dlx(c, 0)
+    c.publish(1, "", "qq", b"poison")
+    c.send(1, C.Basic.Get(queue="qq"))
+    c.recv()
+    c.rpc(1, C.Basic.Consume(queue="dead", consumer_tag="dead-c"))
+    h.apply(DoOutput(1, 100))  # the dead-lettered copy can go out at once, inside the recover
+    c.recv()
+    c.send(1, C.Basic.Recover(requeue=True))
+    got = [(m, b) for m, b in bodies(c.recv())]
+    assert [b for _m, b in got] == [b"poison"]
+    # Its tag is a live one: the ack is accepted and nothing stays counted.
+    c.send(1, C.Basic.Ack(delivery_tag=got[0][0].delivery_tag))
+    assert not c.is_closed and not [f for _ch, f in c.recv() if isinstance(f, C.Channel.Close)]
+    vh = h.broker.vhosts["/"]
+    assert (vh.queues["dead"].unacked, vh.queues["qq"].unacked) == (0, 0)
+    assert h.broker.connections[1].channels[1].unacked == {}
+
+
+def test_messages_past_the_limit_are_dead_lettered_in_publish_order() -> None:
+    h = Harness()
+    c = opened(h, 1)
+    _quorum_with_dlx(c, 0)
+    for i in range(3):
+        c.publish(1, "", "qq", b"%d" % i)
+    for _ in range(3):
+        c.send(1, C.Basic.Get(queue="qq"))
+    tags = [m.delivery_tag for m, _b in c.deliveries()]
+    c.send(1, C.Basic.Nack(delivery_tag=tags[-1], multiple=True, requeue=True))
+    got = []
+    for _ in range(3):
+        c.send(1, C.Basic.Get(queue="dead", no_ack=True))
+        got += [b for _m, b in c.deliveries()]
+    assert got == [b"0", b"1", b"2"]
