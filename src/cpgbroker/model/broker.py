@@ -1247,7 +1247,7 @@ class Broker:
         if not m.nowait:
             self._send_method(conn, ch.id, commands.Basic.CancelOk(consumer_tag=m.consumer_tag))
         if c is not None and self._remove_consumer(c):
-            self._dispatch(c.queue)  # the next consumer takes over
+            self._dispatch(c.queue)  # a next single active consumer, or a lower priority
 
     def _detach_unacked(self, c: Consumer) -> None:
         """A consumer goes away (cancel, channel close, queue delete): its unacked deliveries
