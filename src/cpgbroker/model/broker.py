@@ -1192,6 +1192,7 @@ class Broker:
             if conn.capabilities.get("consumer_cancel_notify") and not ch.closing:
                 self._send_method(conn, ch.id, commands.Basic.Cancel(consumer_tag=c.tag))
         q.consumers.clear()
+        q.ranked_consumers = 0
         for e in q.messages:
             self._account_removed(q, e)
         q.messages.clear()
@@ -1236,6 +1237,8 @@ class Broker:
         c = Consumer(tag, q, ch, m.no_ack, m.exclusive, ch.prefetch_count, args)
         ch.consumers[tag] = c
         q.consumers.append(c)
+        if c.priority:
+            q.ranked_consumers += 1
         q.had_consumers = True
         q.last_used_ms = self.now_ms
         if not m.nowait:
@@ -1270,6 +1273,8 @@ class Broker:
         if c in q.consumers:
             idx = q.consumers.index(c)
             q.consumers.remove(c)
+            if c.priority:
+                q.ranked_consumers -= 1
             if idx < q.rr:
                 q.rr -= 1
             if q.rr >= len(q.consumers):
@@ -1627,7 +1632,7 @@ class Broker:
         # Consumer priorities (x-priority): the highest that can take a message gets it, in
         # turn among equals; a lower one only while all higher ones cannot (prefetch full,
         # flow off, their connection not draining), as in RabbitMQ.
-        ranked = n > 1 and any(c.priority for c in consumers)
+        ranked = n > 1 and q.ranked_consumers > 0
         while msgs:
             e = msgs[0]
             if e.expires_at is not None and e.expires_at < now:

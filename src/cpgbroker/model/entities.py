@@ -264,6 +264,9 @@ class Queue:
     # A deque, or one per priority when declared with x-max-priority (PriorityMessages).
     messages: collections.deque[Entry] | PriorityMessages = attrs.Factory(collections.deque)
     consumers: list[Consumer] = attrs.Factory(list)
+    # How many of them have a non-zero x-priority: dispatch ranks consumers only then, without
+    # looking at every consumer per message (derived: snapshots rebuild it).
+    ranked_consumers: int = 0
     # Next consumer to try: round-robin start so competing consumers share fairly.
     rr: int = 0
     unacked: int = 0

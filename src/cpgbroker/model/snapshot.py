@@ -483,6 +483,7 @@ class Restorer:
             )
         for q, keys in zip(queues, self.tail["queue_consumers"], strict=True):
             q.consumers = [self.consumers[(k[0], k[1], k[2])] for k in keys]
+            q.ranked_consumers = sum(1 for c in q.consumers if c.priority)
         b._ttl_queues = {
             (queues[i].vhost, queues[i].name): queues[i] for i in self.tail["ttl_queues"]
         }
