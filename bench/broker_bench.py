@@ -176,8 +176,8 @@ def run_ours_cluster(
     names: list[str] | None = None,
     repeat: int = 1,
 ) -> dict[str, Any]:
-    from cpgbroker.devbrokers import BrokerSet
-    from cpgbroker.devcluster import DevCluster
+    from cpgbroker.dev.brokers import BrokerSet
+    from cpgbroker.dev.cluster import DevCluster
 
     dc = DevCluster(3, prefix=f"bench-{os.getpid() % 100000}", token_ms=3000, realtime=realtime)
     out: dict[str, Any] = {}

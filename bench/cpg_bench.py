@@ -6,7 +6,7 @@ Run as root from the repository (after ``pip install -e .``)::
     python bench/cpg_bench.py --sizes 1024,65536 --topologies 3 --latency-count 0
 
 It starts its own dev clusters (1 node and 3 nodes, token 3000 ms, in network namespaces; see
-``cpgbroker.devcluster``; corosync at nice -10 like ``devcluster up``, or at its own real-time
+``cpgbroker.dev.cluster``; corosync at nice -10 like ``devcluster up``, or at its own real-time
 priority with ``--realtime``), compiles ``bench/cpg_ref.c`` with gcc, and for every scenario runs
 the C client, the Python binding (:class:`cpgbroker.cpg.Cpg`) and the trio adapter
 (:mod:`cpgbroker.runtime.cpg_trio`) one after the other with the same algorithm:
@@ -51,7 +51,9 @@ HERE = Path(__file__).resolve().parent
 
 def worker_py(args: argparse.Namespace) -> dict[str, Any]:
     """The Python side, with the synchronous binding; mirrors cpg_ref.c line by line."""
-    from cpgbroker.cpg import ConfChg, Cpg, CpgTryAgain, Deliver, tune_malloc
+    from cpgbroker.corosync.cpg import Cpg, tune_malloc
+    from cpgbroker.corosync.errors import CpgTryAgain
+    from cpgbroker.corosync.events import ConfChg, Deliver
 
     tune_malloc()
     cpg = Cpg()
@@ -159,7 +161,8 @@ def worker_trio(args: argparse.Namespace) -> dict[str, Any]:
     """The same measurement through the trio adapter (credit window = --window)."""
     import trio
 
-    from cpgbroker.cpg import ConfChg, Deliver, tune_malloc
+    from cpgbroker.corosync.cpg import tune_malloc
+    from cpgbroker.corosync.events import ConfChg, Deliver
     from cpgbroker.runtime.cpg_trio import open_cpg
 
     tune_malloc()
@@ -333,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(func(args)))
         return 0
 
-    from cpgbroker.devcluster import DevClusterError, check_environment, running_cluster
+    from cpgbroker.dev.cluster import DevClusterError, check_environment, running_cluster
 
     problem = check_environment()
     if problem:

@@ -44,8 +44,8 @@ def main() -> int:
     ap.add_argument("--load", default=str(LOAD), help="path of amqp_load.py")
     args = ap.parse_args()
 
-    from cpgbroker.devbrokers import BrokerSet
-    from cpgbroker.devcluster import DevCluster
+    from cpgbroker.dev.brokers import BrokerSet
+    from cpgbroker.dev.cluster import DevCluster
 
     subprocess.run([*CPGB, "devcluster", "down", "--prefix", args.prefix], capture_output=True)
     sh(

@@ -1,4 +1,4 @@
-"""cffi builder for ``cpgbroker._cpg``, the compiled part of our libcpg binding.
+"""cffi builder for ``cpgbroker.corosync._cpg``, the compiled part of our libcpg binding.
 
 API mode: the module is compiled against the installed ``<corosync/cpg.h>``, so struct layouts
 and enum values come from the real headers. ``setup.py`` runs it through ``cffi_modules`` on
@@ -17,7 +17,7 @@ _HERE = Path(__file__).resolve().parent
 ffibuilder = FFI()
 ffibuilder.cdef((_HERE / "cpg_binding.h").read_text())
 ffibuilder.set_source(
-    "cpgbroker._cpg",
+    "cpgbroker.corosync._cpg",
     (_HERE / "cpg_binding.c").read_text(),
     # cs_strerror() lives in libcorosync_common, not libcpg.
     libraries=["cpg", "corosync_common"],

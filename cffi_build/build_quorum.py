@@ -1,4 +1,4 @@
-"""cffi builder for ``cpgbroker._quorum``, the compiled part of our libvotequorum binding.
+"""cffi builder for ``cpgbroker.corosync._quorum``, the compiled part of our libvotequorum binding.
 
 API mode, like ``build_cpg.py``: compiled against the installed ``<corosync/votequorum.h>``.
 ``setup.py`` runs it through ``cffi_modules``; ``python cffi_build/build_quorum.py`` builds it
@@ -16,7 +16,7 @@ _HERE = Path(__file__).resolve().parent
 ffibuilder = FFI()
 ffibuilder.cdef((_HERE / "quorum_binding.h").read_text())
 ffibuilder.set_source(
-    "cpgbroker._quorum",
+    "cpgbroker.corosync._quorum",
     (_HERE / "quorum_binding.c").read_text(),
     libraries=["votequorum"],
     extra_compile_args=["-O2", "-Wall", "-Wno-unused-function"],

@@ -8,7 +8,7 @@ uses) and a verdict at the end: every confirmed message was consumed (none lost)
 were delivered again after the failure (at-least-once: allowed, flagged redelivered).
 
 With ``--history DIR`` every client also records what it did and saw into
-``DIR/<client>.history.jsonl`` (``cpgbroker.history``), for ``cpgbroker audit``.
+``DIR/<client>.history.jsonl`` (``cpgbroker.audit.history``), for ``cpgbroker audit``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 import pika
 import pika.exceptions
 
-from cpgbroker.history import HistoryRecorder, decode_body, encode_body, producer_name
+from cpgbroker.audit.history import HistoryRecorder, decode_body, encode_body, producer_name
 
 QUEUE = "demo"
 # The run id in the message bodies (amqp_load's layout); one producer, id 1.

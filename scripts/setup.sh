@@ -29,4 +29,4 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
 .venv/bin/python -m pip install -q -e ".[test]"
-.venv/bin/python -c "import cpgbroker, cpgbroker.cpg" && echo "setup: cpgbroker installed in .venv"
+.venv/bin/python -c "import cpgbroker, cpgbroker.corosync.cpg, cpgbroker.corosync.votequorum" && echo "setup: cpgbroker installed in .venv"

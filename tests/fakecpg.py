@@ -7,7 +7,7 @@ from typing import Any
 
 import trio
 
-from cpgbroker.cpg import Deliver
+from cpgbroker.corosync.events import Deliver
 
 
 class Bus:

@@ -12,12 +12,12 @@ import pytest
 import trio
 from pamqp import commands, frame
 
-from cpgbroker.config import ClusterConfig, ServerConfig
-from cpgbroker.cpg import ConfChg, Member, MemberChange, Reason
+from cpgbroker.corosync.events import ConfChg, Member, MemberChange, Reason
 from cpgbroker.errors import ClusterError
 from cpgbroker.model.events import ClientConnected, ClientData
 from cpgbroker.runtime.member import ClusterNode, member_id
 from cpgbroker.runtime.server import LocalConn
+from cpgbroker.runtime.settings import ClusterConfig, ServerConfig
 from cpgbroker.wire.framer import PROTOCOL_HEADER
 from fakecpg import Bus, FakeCpg
 

@@ -9,7 +9,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "devcluster":
-        from cpgbroker import devcluster
+        from cpgbroker.dev import cluster as devcluster
 
         return devcluster.main(args[1:])
     if args and args[0] == "audit":

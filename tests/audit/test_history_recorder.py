@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 
-from cpgbroker.devcluster import DevCluster
-from cpgbroker.history import (
+from cpgbroker.audit.history import (
     ConfirmTracker,
     HistoryRecorder,
     MessageId,
@@ -19,6 +18,7 @@ from cpgbroker.history import (
     encode_body,
     producer_name,
 )
+from cpgbroker.dev.cluster import DevCluster
 
 
 def records(path: Path) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ from typing import Any
 import pika
 import pika.exceptions
 
-from cpgbroker.devbrokers import BrokerSet
+from cpgbroker.dev.brokers import BrokerSet
 
 OPEN: list[pika.BlockingConnection] = []
 

@@ -7,7 +7,7 @@ there they fail instead.
 Fixtures:
 
 * ``cluster_support``: only the skip-or-fail check, for tests that build their own clusters.
-* ``dev_cluster`` (session): a 3-node :class:`~cpgbroker.devcluster.DevCluster` with token
+* ``dev_cluster`` (session): a 3-node :class:`~cpgbroker.dev.cluster.DevCluster` with token
   1000 ms, started once. Leftovers of crashed earlier runs are removed first; everything is
   torn down at the end.
 * ``cluster`` (function): the same cluster, repaired before the test (killed nodes restarted,
@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterator
 import pytest
 from brokerclients import close_all
 
-from cpgbroker.devbrokers import BrokerSet
-from cpgbroker.devcluster import (
+from cpgbroker.dev.brokers import BrokerSet
+from cpgbroker.dev.cluster import (
     DevCluster,
     check_environment,
     cleanup_stale_test_clusters,
@@ -45,7 +45,7 @@ def _unavailable() -> str | None:
     if problem:
         return problem
     try:
-        import cpgbroker.cpg  # noqa: F401
+        import cpgbroker.corosync.cpg  # noqa: F401
     except ImportError as e:
         return str(e)
     return None
@@ -83,7 +83,7 @@ def cluster(dev_cluster: DevCluster) -> DevCluster:
 
 @pytest.fixture
 def cpg_on(cluster: DevCluster, request: pytest.FixtureRequest) -> Iterator[Callable[..., object]]:
-    from cpgbroker.cpg import Cpg
+    from cpgbroker.corosync.cpg import Cpg
 
     opened: list[Cpg] = []
     default_group = f"t-{request.node.name}"[:100].encode()
@@ -106,7 +106,7 @@ def cpg_on(cluster: DevCluster, request: pytest.FixtureRequest) -> Iterator[Call
 def _dispatch_until(
     handles: list[object], events: list[list[object]], until: Callable[[], bool], timeout: float
 ) -> bool:
-    from cpgbroker.cpg import Cpg
+    from cpgbroker.corosync.cpg import Cpg
 
     cpgs = [h for h in handles if isinstance(h, Cpg)]
     deadline = time.monotonic() + timeout

@@ -1,7 +1,7 @@
 """End to end: a real 3-member cluster under confirmed traffic loses a member (SIGKILL, with a
 producer and a consumer connected to it); the members' event logs, the clients' histories
-(recorded by ``cpgbroker.history``) and the fault log are audited by ``cpgbroker audit`` run as
-an operator runs it, and every check passes."""
+(recorded by ``cpgbroker.audit.history``) and the fault log are audited by ``cpgbroker audit``
+run as an operator runs it, and every check passes."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import pika
 import pika.exceptions
 import pytest
 
-from cpgbroker.devbrokers import BrokerSet
-from cpgbroker.devcluster import DevCluster
-from cpgbroker.history import HistoryRecorder, decode_body, encode_body, producer_name
+from cpgbroker.audit.history import HistoryRecorder, decode_body, encode_body, producer_name
+from cpgbroker.dev.brokers import BrokerSet
+from cpgbroker.dev.cluster import DevCluster
 from prereq import require_spark
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.slow]

@@ -21,8 +21,8 @@ import pytest
 from brokerclients import OPEN as _OPEN
 from brokerclients import connect, drain, queues
 
-from cpgbroker.devbrokers import BrokerSet
-from cpgbroker.devcluster import DevCluster
+from cpgbroker.dev.brokers import BrokerSet
+from cpgbroker.dev.cluster import DevCluster
 
 pytestmark = pytest.mark.integration
 

@@ -9,20 +9,17 @@ from typing import Any
 import pytest
 
 from cpgbroker import errors
-from cpgbroker.cpg import (
-    ConfChg,
-    Cpg,
+from cpgbroker.corosync.cpg import Cpg
+from cpgbroker.corosync.errors import (
     CpgExist,
     CpgLibraryError,
     CpgNameTooLong,
     CpgNetnsError,
     CpgNotExist,
     CpgTooBig,
-    Deliver,
-    Member,
-    TotemConfChg,
 )
-from cpgbroker.devcluster import DevCluster
+from cpgbroker.corosync.events import ConfChg, Deliver, Member, TotemConfChg
+from cpgbroker.dev.cluster import DevCluster
 
 pytestmark = pytest.mark.integration
 

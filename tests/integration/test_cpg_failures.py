@@ -13,12 +13,11 @@ from typing import Any
 import pytest
 import trio
 
-from cpgbroker.cpg import (
+from cpgbroker.corosync.cpg import Cpg
+from cpgbroker.corosync.errors import CpgConnectionLost, CpgHungError
+from cpgbroker.corosync.events import (
     ConfChg,
-    Cpg,
-    CpgConnectionLost,
     CpgEvent,
-    CpgHungError,
     Deliver,
     Member,
     PartitionMerge,
@@ -26,7 +25,7 @@ from cpgbroker.cpg import (
     RingChangeSameMembers,
     TotemConfChg,
 )
-from cpgbroker.devcluster import DevCluster
+from cpgbroker.dev.cluster import DevCluster
 from cpgbroker.runtime.cpg_trio import TrioCpg, open_cpg
 
 pytestmark = pytest.mark.integration

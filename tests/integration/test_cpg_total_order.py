@@ -54,7 +54,8 @@ def make_message(sender: int, seq: int, size: int, block: bytes) -> bytes:
 async def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     import trio
 
-    from cpgbroker.cpg import ConfChg, Deliver, tune_malloc
+    from cpgbroker.corosync.cpg import tune_malloc
+    from cpgbroker.corosync.events import ConfChg, Deliver
     from cpgbroker.runtime.cpg_trio import open_cpg
 
     tune_malloc()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cpgbroker.devcluster import (
+from cpgbroker.dev.cluster import (
     DevCluster,
     cleanup_stale_test_clusters,
     list_netns,
@@ -148,7 +148,7 @@ def test_leftovers_of_a_crashed_run_are_removed(cluster_support: None, tmp_path:
     child = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import os, sys, time
-            from cpgbroker.devcluster import DevCluster, new_test_prefix
+            from cpgbroker.dev.cluster import DevCluster, new_test_prefix
             c = DevCluster(1, prefix=new_test_prefix(), state_dir={str(state_dir)!r},
                            owner_pid=os.getpid())
             c.up()

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from brokerclients import ConfirmingPublisher, assert_serves, drain_queue, wait_state
 
-from cpgbroker.devbrokers import BrokerSet
+from cpgbroker.dev.brokers import BrokerSet
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,8 @@ import pika.exceptions
 import pytest
 from brokerclients import assert_serves, connect, queues, wait_state
 
-from cpgbroker.devbrokers import BrokerSet
-from cpgbroker.devcluster import DevCluster
+from cpgbroker.dev.brokers import BrokerSet
+from cpgbroker.dev.cluster import DevCluster
 
 pytestmark = pytest.mark.integration
 

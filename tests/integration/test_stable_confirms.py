@@ -18,8 +18,8 @@ from pamqp import body as pbody
 from pamqp import commands, frame, header
 from test_quorum import STOP_WITHIN, not_serving
 
-from cpgbroker.devbrokers import BrokerSet
-from cpgbroker.devcluster import DevCluster
+from cpgbroker.dev.brokers import BrokerSet
+from cpgbroker.dev.cluster import DevCluster
 
 pytestmark = pytest.mark.integration
 

@@ -23,8 +23,8 @@ import pytest
 import test_update as tu
 from brokerclients import assert_same_properties, connect, drain, queues, wait_state
 
-from cpgbroker.devbrokers import BrokerSet
-from cpgbroker.devcluster import DevCluster
+from cpgbroker.dev.brokers import BrokerSet
+from cpgbroker.dev.cluster import DevCluster
 
 pytestmark = pytest.mark.integration
 

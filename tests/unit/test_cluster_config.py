@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cpgbroker.config import from_dict
 from cpgbroker.errors import ConfigError
 from cpgbroker.runtime.member import config_digest
+from cpgbroker.runtime.settings import from_dict
 
 
 def cluster(**extra: object) -> dict[str, object]:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cpgbroker import devcluster
-from cpgbroker.devcluster import DevCluster, DevClusterError, parse_quorumtool, render_config
+from cpgbroker.dev import cluster as devcluster
+from cpgbroker.dev.cluster import DevCluster, DevClusterError, parse_quorumtool, render_config
 
 QUORUMTOOL_OUTPUT = """\
 Quorum information

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from cpgbroker import errors
-from cpgbroker._cpg import lib
-from cpgbroker.cpg import (
-    CPG_MAX_NAME_LENGTH,
+from cpgbroker.corosync._cpg import lib
+from cpgbroker.corosync.cpg import CPG_MAX_NAME_LENGTH, group_name
+from cpgbroker.corosync.errors import (
     CpgBadHandle,
     CpgConnectionLost,
     CpgFatalError,
@@ -18,7 +18,6 @@ from cpgbroker.cpg import (
     CpgUnknownError,
     CsError,
     error_class,
-    group_name,
     make_error,
     strerror,
 )

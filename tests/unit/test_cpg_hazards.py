@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cpgbroker.cpg import (
+from cpgbroker.corosync.events import (
     ConfChg,
     Member,
     MemberChange,

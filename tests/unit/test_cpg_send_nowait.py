@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import trio
 
-from cpgbroker.cpg import CpgConnectionLost, CpgTryAgain
+from cpgbroker.corosync.errors import CpgConnectionLost, CpgTryAgain
 from cpgbroker.runtime.cpg_trio import TrioCpg
 
 

@@ -21,11 +21,11 @@ import trio
 from pamqp import commands
 
 from cpgbroker.cluster.errorcheck import ErrorRounds, Round, majority
-from cpgbroker.config import ClusterConfig, ServerConfig
 from cpgbroker.errors import ClusterError
 from cpgbroker.model import snapshot
 from cpgbroker.model.events import ClientData, Tick
 from cpgbroker.runtime.member import ClusterNode, member_id
+from cpgbroker.runtime.settings import ClusterConfig, ServerConfig
 from fakecpg import Bus, FakeCpg, FakeQuorum
 from nodeharness import (
     Client,

@@ -30,7 +30,12 @@ FORBIDDEN = {
     "subprocess",
     "select",
 }
-FORBIDDEN_PROJECT = ("cpgbroker.runtime", "cpgbroker.cpg", "cpgbroker.devcluster", "cpgbroker._cpg")
+FORBIDDEN_PROJECT = (
+    "cpgbroker.runtime",
+    "cpgbroker.cpg",
+    "cpgbroker.dev.cluster",
+    "cpgbroker.corosync._cpg",
+)
 
 
 @pytest.mark.parametrize("path", PURE, ids=lambda p: str(p.relative_to(SRC)))

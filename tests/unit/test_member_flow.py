@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import trio
 
-from cpgbroker.config import ClusterConfig, ServerConfig
-from cpgbroker.cpg import ConfChg, Member, MemberChange, Reason
+from cpgbroker.corosync.events import ConfChg, Member, MemberChange, Reason
 from cpgbroker.model.events import ClientConnected, ClientData
 from cpgbroker.runtime.member import ClusterNode, member_id
+from cpgbroker.runtime.settings import ClusterConfig, ServerConfig
 from cpgbroker.wire.framer import PROTOCOL_HEADER
 from fakecpg import Bus, FakeCpg
 

@@ -9,8 +9,7 @@ from typing import Any
 
 import trio
 
-from cpgbroker.config import ClusterConfig, ServerConfig
-from cpgbroker.cpg import (
+from cpgbroker.corosync.events import (
     ConfChg,
     Member,
     MemberChange,
@@ -20,6 +19,7 @@ from cpgbroker.cpg import (
     TotemConfChg,
 )
 from cpgbroker.runtime.member import ClusterNode, member_id
+from cpgbroker.runtime.settings import ClusterConfig, ServerConfig
 from fakecpg import Bus, FakeCpg, FakeQuorum
 
 

@@ -12,7 +12,7 @@ import trio
 from pamqp import commands
 
 from cpgbroker.cluster import codec
-from cpgbroker.cpg import Deliver
+from cpgbroker.corosync.events import Deliver
 from cpgbroker.model.events import ClientData, DoOutput
 from cpgbroker.runtime import member as member_mod
 from nodeharness import (

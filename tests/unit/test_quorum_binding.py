@@ -8,9 +8,10 @@ import struct
 import pytest
 
 from cpgbroker import errors
-from cpgbroker._quorum import lib
-from cpgbroker.cpg import CpgBadHandle, CpgLibraryError, CpgNetnsError, RingId, make_error
-from cpgbroker.quorum import (
+from cpgbroker.corosync._quorum import lib
+from cpgbroker.corosync.errors import CpgBadHandle, CpgLibraryError, CpgNetnsError, make_error
+from cpgbroker.corosync.events import RingId
+from cpgbroker.corosync.votequorum import (
     ExpectedVotesChange,
     NodeListChange,
     Quorum,

@@ -47,7 +47,7 @@ NOT_APPLIED = ("hello", "checkpoint", "verdict", "suspend", "error", "error-chec
 # Records that carry nothing more than type, seq, t_ns and member are required to.
 _BARE = ("hello", "suspend", "error", "error-check", "stop")
 
-# -- client operation histories (written by cpgbroker.history.HistoryRecorder)
+# -- client operation histories (written by cpgbroker.audit.history.HistoryRecorder)
 HISTORY_SCHEMA = T.StructType(
     [
         T.StructField("op", T.StringType()),

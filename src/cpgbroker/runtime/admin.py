@@ -21,7 +21,7 @@ from typing import Any
 
 import trio
 
-from cpgbroker.config import parse_listen
+from cpgbroker.runtime.settings import parse_listen
 
 log = logging.getLogger("cpgbroker.admin")
 

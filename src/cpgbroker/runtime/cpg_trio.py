@@ -1,4 +1,5 @@
-"""trio adapter for :class:`cpgbroker.cpg.Cpg`: an async event stream and a flow-controlled sender.
+"""trio adapter for :class:`cpgbroker.corosync.cpg.Cpg`: an async event stream and a
+flow-controlled sender.
 
 ``async with open_cpg(b"group") as cpg:`` connects, joins and starts a reader task that waits
 on the CPG fd with :func:`trio.lowlevel.wait_readable` and drains everything ready with one
@@ -14,9 +15,9 @@ memory back, so this window is what bounds it.
 Calls that need an answer from corosync (connect, join, membership, fragmented sends of
 messages above ``max_atomic_msgsize``, finalize) block forever if corosync is stopped or hung.
 They run in a worker thread with a timeout; on timeout the handle is abandoned and
-:class:`~cpgbroker.cpg.CpgHungError` is raised. If the local corosync dies, the fd reports
-HUP and dispatch fails: :class:`~cpgbroker.cpg.CpgConnectionLost` is raised to every caller,
-after any events received before it.
+:class:`~cpgbroker.corosync.errors.CpgHungError` is raised. If the local corosync dies, the fd
+reports HUP and dispatch fails: :class:`~cpgbroker.corosync.errors.CpgConnectionLost` is raised to
+every caller, after any events received before it.
 """
 
 from __future__ import annotations
@@ -31,18 +32,15 @@ import attrs
 import trio
 
 from cpgbroker import errors
-from cpgbroker.cpg import (
-    DEFAULT_MAX_MESSAGE_SIZE,
-    Cpg,
+from cpgbroker.corosync.cpg import DEFAULT_MAX_MESSAGE_SIZE, Cpg
+from cpgbroker.corosync.errors import (
     CpgBadHandle,
     CpgConnectionLost,
-    CpgEvent,
     CpgHungError,
     CpgTooBig,
     CpgTryAgain,
-    Deliver,
-    Member,
 )
+from cpgbroker.corosync.events import CpgEvent, Deliver, Member
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer

@@ -53,9 +53,8 @@ from cpgbroker.cluster.membership import (
     SendHello,
 )
 from cpgbroker.cluster.quorum import SERVE, STOP, decide, ring_change
-from cpgbroker.config import ServerConfig, parse_listen
-from cpgbroker.cpg import (
-    MAX_IOVEC,
+from cpgbroker.corosync.cpg import MAX_IOVEC, tune_malloc
+from cpgbroker.corosync.events import (
     ConfChg,
     CpgEvent,
     Deliver,
@@ -64,7 +63,6 @@ from cpgbroker.cpg import (
     RingChangeSameMembers,
     RingId,
     TotemConfChg,
-    tune_malloc,
 )
 from cpgbroker.errors import ClusterError, CpgError
 from cpgbroker.model import snapshot
@@ -80,6 +78,7 @@ from cpgbroker.runtime.server import (
     open_listeners,
     wait_for_signal,
 )
+from cpgbroker.runtime.settings import ServerConfig, parse_listen
 
 log = logging.getLogger("cpgbroker.member")
 

@@ -1,4 +1,5 @@
-"""trio adapter for :class:`cpgbroker.quorum.Quorum`: a reader task and the quorum view.
+"""trio adapter for :class:`cpgbroker.corosync.votequorum.Quorum`: a reader task and the
+quorum view.
 
 ``async with open_quorum(netns=...) as q:`` connects (with change tracking on) and runs a task
 that waits on the votequorum fd with :func:`trio.lowlevel.wait_readable`, dispatches, feeds
@@ -23,8 +24,14 @@ import trio
 
 from cpgbroker import errors
 from cpgbroker.cluster.quorum import QuorumView
-from cpgbroker.cpg import CpgConnectionLost, CpgHungError
-from cpgbroker.quorum import ExpectedVotesChange, NodeListChange, Quorum, QuorumChange, QuorumInfo
+from cpgbroker.corosync.errors import CpgConnectionLost, CpgHungError
+from cpgbroker.corosync.votequorum import (
+    ExpectedVotesChange,
+    NodeListChange,
+    Quorum,
+    QuorumChange,
+    QuorumInfo,
+)
 from cpgbroker.runtime.cpg_trio import hung_up
 
 log = logging.getLogger("cpgbroker.quorum")

@@ -27,7 +27,6 @@ from typing import Any
 import trio
 
 from cpgbroker.cluster.codec import conn_id
-from cpgbroker.config import ServerConfig, parse_listen
 from cpgbroker.errors import ReplyCode
 from cpgbroker.model import snapshot
 from cpgbroker.model.broker import Broker
@@ -45,6 +44,7 @@ from cpgbroker.model.events import (
     Tick,
     WantOutput,
 )
+from cpgbroker.runtime.settings import ServerConfig, parse_listen
 
 log = logging.getLogger("cpgbroker.server")
 
@@ -439,8 +439,8 @@ def setup_logging(level: str, fmt: str = "logfmt") -> None:
 
 
 def main(config_path: str | None, listen: str | None) -> int:
-    from cpgbroker import config as cfgmod
     from cpgbroker.errors import ConfigError
+    from cpgbroker.runtime import settings as cfgmod
 
     try:
         cfg = cfgmod.load(config_path, listen)

@@ -40,10 +40,10 @@ from typing import Any
 
 import trio
 
-from cpgbroker.config import parse_listen
 from cpgbroker.errors import ClusterError, InvariantError
 from cpgbroker.model import snapshot
 from cpgbroker.model.broker import Broker
+from cpgbroker.runtime.settings import parse_listen
 
 log = logging.getLogger("cpgbroker.update")
 

@@ -18,8 +18,9 @@ into a record; Python parses the records after ``votequorum_dispatch`` returns, 
 can raise into the library or lose a notification.
 
 ``cs_error_t`` is common to every corosync library, so failures raise the same classes as the
-CPG binding (:func:`cpgbroker.cpg.make_error`; all under :class:`cpgbroker.errors.CpgError`),
-naming the votequorum call: a lost corosync is :class:`~cpgbroker.cpg.CpgConnectionLost`
+CPG binding (:func:`cpgbroker.corosync.errors.make_error`; all under
+:class:`cpgbroker.errors.CpgError`), naming the votequorum call: a lost corosync is
+:class:`~cpgbroker.corosync.errors.CpgConnectionLost`
 whichever handle noticed it. No I/O waiting here: see :mod:`cpgbroker.runtime.quorum_trio`.
 """
 
@@ -32,30 +33,30 @@ from typing import Any, Final, TypeAlias
 
 import attrs
 
-from cpgbroker import cpg
-from cpgbroker.cpg import (
+from cpgbroker.corosync.cpg import enter_netns
+from cpgbroker.corosync.errors import (
     CpgBadHandle,
     CpgBindingError,
     CpgConnectionLost,
     CsError,
-    enter_netns,
     make_error,
 )
+from cpgbroker.corosync.events import RingId
 
 try:
-    from cpgbroker._quorum import ffi, lib
+    from cpgbroker.corosync._quorum import ffi, lib
 except ImportError as _e:  # pragma: no cover - depends on how the package was installed
     raise CpgBindingError(
-        f"cpgbroker's compiled libvotequorum binding (cpgbroker._quorum) cannot be imported "
-        f"({_e}). Install the package with `pip install -e .`, which builds it; that needs gcc "
-        "and the Debian package libvotequorum-dev."
+        "cpgbroker's compiled libvotequorum binding (cpgbroker.corosync._quorum) cannot be "
+        f"imported ({_e}). Install the package with `pip install -e .`, which builds it; that "
+        "needs gcc and the Debian package libvotequorum-dev."
     ) from _e
 
 # Must match VQB_BINDING_VERSION in cffi_build/quorum_binding.c.
 EXPECTED_BINDING_VERSION: Final = 1
 if lib.VQB_BINDING_VERSION != EXPECTED_BINDING_VERSION:  # pragma: no cover
     raise CpgBindingError(
-        f"cpgbroker._quorum is binding version {lib.VQB_BINDING_VERSION}, this quorum.py "
+        f"cpgbroker.corosync._quorum is binding version {lib.VQB_BINDING_VERSION}, this quorum.py "
         f"expects {EXPECTED_BINDING_VERSION}: rebuild it with `pip install -e .`"
     )
 
@@ -97,9 +98,10 @@ class QuorumChange:
 
 @attrs.frozen
 class NodeListChange:
-    """A new totem ring (the same ring ids as CPG's :class:`~cpgbroker.cpg.TotemConfChg`)."""
+    """A new totem ring (the same ring ids as CPG's
+    :class:`~cpgbroker.corosync.events.TotemConfChg`)."""
 
-    ring_id: cpg.RingId
+    ring_id: RingId
     members: tuple[int, ...]
 
 
@@ -160,7 +162,7 @@ def parse_record(rec: bytes) -> QuorumEvent:
     if kind == lib.VQB_EV_NODELIST:
         _, ring_node, ring_seq, n, _ = _NODELIST.unpack_from(rec)
         members = struct.unpack_from(f"={n}I", rec, _NODELIST.size)
-        return NodeListChange(cpg.RingId(ring_node, ring_seq), tuple(members))
+        return NodeListChange(RingId(ring_node, ring_seq), tuple(members))
     if kind == lib.VQB_EV_EXPECTED:
         return ExpectedVotesChange(_EXPECTED.unpack_from(rec)[1])
     raise make_error(lib.CS_ERR_LIBRARY, "votequorum_dispatch", f"unknown record type {kind}")
@@ -173,7 +175,7 @@ class Quorum:
     """One connection to the local corosync's votequorum service, tracking changes.
 
     Not thread-safe. ``netns`` opens the connection inside a named network namespace (as
-    :class:`cpgbroker.cpg.Cpg` does). Close it with :meth:`close` or a ``with`` block.
+    :class:`cpgbroker.corosync.cpg.Cpg` does). Close it with :meth:`close` or a ``with`` block.
     """
 
     def __init__(self, *, netns: str | None = None) -> None:

@@ -139,7 +139,7 @@ def default_template() -> Path:
     if env:
         return Path(env)
     here = Path(__file__).resolve()
-    for base in (here.parents[2], Path.cwd()):
+    for base in (here.parents[3], Path.cwd()):
         candidate = base / "configs" / "corosync.conf.in"
         if candidate.is_file():
             return candidate
@@ -1048,7 +1048,7 @@ def _main(args: argparse.Namespace) -> int:
         )
         _print_status(cluster, cluster.status())
         if args.with_brokers:
-            from cpgbroker.devbrokers import BrokerSet
+            from cpgbroker.dev.brokers import BrokerSet
 
             ports = {
                 n.nodeid: (args.base_port + n.nodeid - 1, args.base_port + 10000 + n.nodeid - 1)
@@ -1078,7 +1078,7 @@ def _main(args: argparse.Namespace) -> int:
         print(f"dev cluster {args.prefix} removed")
         return 0
     cluster = DevCluster.load(args.prefix, args.state_dir)
-    from cpgbroker.devbrokers import BrokerSet
+    from cpgbroker.dev.brokers import BrokerSet
 
     dev_brokers = BrokerSet.load(cluster)
     if args.command == "status":

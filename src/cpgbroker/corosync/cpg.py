@@ -11,13 +11,14 @@ delivered since the last call, in order, as frozen event objects:
 * :class:`PartitionMerge` and :class:`RingChangeSameMembers` - hazards found by
   :class:`MembershipTracker`, placed right after the event that revealed them.
 
-The CPG callbacks are C functions (see ``cffi_build/cpg_binding.c``) that copy each event into a
-per-handle buffer; Python parses that buffer after ``cpg_dispatch`` returns. So no callback can
-raise into libcpg or lose an event, and no Python runs while libcpg holds the dispatch.
+The event types are pure (:mod:`cpgbroker.corosync.events`). The CPG callbacks are C functions (see
+``cffi_build/cpg_binding.c``) that copy each event into a per-handle buffer; Python parses that
+buffer after ``cpg_dispatch`` returns. So no callback can raise into libcpg or lose an event, and
+no Python runs while libcpg holds the dispatch.
 
 Every ``cs_error_t`` maps to its own exception class (see :func:`error_class`). They all derive
-from :class:`cpgbroker.errors.CpgError`; :class:`CpgTryAgain` (retry) is distinct from
-:class:`CpgFatalError` (everything else).
+from :class:`cpgbroker.errors.CpgError` (:mod:`cpgbroker.corosync.errors`); :class:`CpgTryAgain`
+(retry) is distinct from :class:`CpgFatalError` (everything else).
 
 This module does no I/O waiting of its own: see :mod:`cpgbroker.runtime.cpg_trio` for the trio
 adapter, which also guards the calls that block forever when corosync hangs.
@@ -26,43 +27,44 @@ adapter, which also guards the calls that block forever when corosync hangs.
 from __future__ import annotations
 
 import contextlib
-import enum
 import os
 import struct
 import time
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final
 
-import attrs
-
-from cpgbroker import errors
+from cpgbroker.corosync._cpg import ffi, lib
+from cpgbroker.corosync.errors import (
+    CS_OK,
+    TRY_AGAIN,
+    CpgBadHandle,
+    CpgConnectionLost,
+    CpgExist,
+    CpgInvalidParam,
+    CpgNameTooLong,
+    CpgNetnsError,
+    CpgNoMemory,
+    CpgNotExist,
+    CpgTooBig,
+    CsError,
+    make_error,
+)
+from cpgbroker.corosync.events import (
+    ConfChg,
+    CpgEvent,
+    Deliver,
+    Member,
+    MemberChange,
+    MembershipTracker,
+    RingId,
+    TotemConfChg,
+    _reason,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-
-class CpgBindingError(errors.CpgError, ImportError):
-    """The compiled module ``cpgbroker._cpg`` is missing or was built from other sources."""
-
-
-try:
-    from cpgbroker._cpg import ffi, lib
-except ImportError as _e:  # pragma: no cover - depends on how the package was installed
-    raise CpgBindingError(
-        f"cpgbroker's compiled libcpg binding (cpgbroker._cpg) cannot be imported ({_e}). "
-        "Install the package with `pip install -e .`, which builds it; that needs gcc and the "
-        "Debian packages libcpg-dev and libcorosync-common-dev."
-    ) from _e
-
-# Must match CPGB_BINDING_VERSION in cffi_build/cpg_binding.c: a module compiled from older
-# sources would parse the event buffer with the wrong layout.
-EXPECTED_BINDING_VERSION: Final = 2
-if lib.CPGB_BINDING_VERSION != EXPECTED_BINDING_VERSION:  # pragma: no cover
-    raise CpgBindingError(
-        f"cpgbroker._cpg is binding version {lib.CPGB_BINDING_VERSION}, this cpg.py expects "
-        f"{EXPECTED_BINDING_VERSION}: rebuild it with `pip install -e .`"
-    )
 
 CPG_MAX_NAME_LENGTH: Final[int] = lib.CPG_MAX_NAME_LENGTH
 CPG_MEMBERS_MAX: Final[int] = lib.CPG_MEMBERS_MAX
@@ -72,401 +74,6 @@ MAX_IOVEC: Final[int] = lib.CPGB_MAX_IOV
 # and sends the fragments with one synchronous round trip each; very large messages also stall
 # every other sender's traffic on the ring, so the cluster layer should stay far below this.
 DEFAULT_MAX_MESSAGE_SIZE: Final = 16 * 1024 * 1024
-
-
-# ---------------------------------------------------------------------------- errors
-
-
-def strerror(code: int) -> str:
-    """corosync's own name for a ``cs_error_t`` value (``cs_strerror``)."""
-    return str(ffi.string(lib.cs_strerror(code)).decode("ascii", "replace"))
-
-
-class CsError(errors.CpgError):
-    """A CPG call failed with a ``cs_error_t``; each value has its own subclass.
-
-    ``operation`` names the libcpg call, ``code`` is the numeric value and ``strerror`` is
-    ``cs_strerror``'s text for it.
-    """
-
-    code: ClassVar[int] = -1
-    # Messages of a :meth:`Cpg.mcast_many` batch that went out before the error.
-    sent: int = 0
-    # What the error usually means, used when the raiser has nothing more specific to say.
-    hint: ClassVar[str] = ""
-    # True when the handle can no longer be used (the local corosync is gone).
-    handle_dead: ClassVar[bool] = False
-
-    def __init__(self, operation: str, detail: str | None = None, *, code: int | None = None):
-        self.operation = operation
-        self.cs_code = type(self).code if code is None else code
-        self.strerror = strerror(self.cs_code)
-        self.detail = detail if detail is not None else type(self).hint
-        text = f"{operation}: {self.strerror} ({self.cs_code})"
-        super().__init__(f"{text}: {self.detail}" if self.detail else text)
-
-
-class CpgTryAgain(CsError):
-    """CS_ERR_TRY_AGAIN: a transient condition (full IPC ring, busy group); retry later."""
-
-    hint = "corosync is busy; retry the same call"
-
-
-class CpgFatalError(CsError):
-    """Every ``cs_error_t`` except TRY_AGAIN: retrying the same call unchanged will not help."""
-
-
-class CpgLibraryError(CpgFatalError):
-    """CS_ERR_LIBRARY: corosync is not running, not reachable, or the connection to it broke."""
-
-    hint = "corosync is not running or not reachable from this network namespace"
-    handle_dead = True
-
-
-class CpgConnectionLost(CpgLibraryError):
-    """The local corosync died or closed our connection: this process must stop using CPG."""
-
-    hint = "lost the connection to the local corosync (it died or was shut down)"
-
-
-class CpgVersionError(CpgFatalError):
-    """CS_ERR_VERSION."""
-
-
-class CpgInitError(CpgFatalError):
-    """CS_ERR_INIT."""
-
-
-class CpgTimeout(CpgFatalError):
-    """CS_ERR_TIMEOUT."""
-
-
-class CpgInvalidParam(CpgFatalError):
-    """CS_ERR_INVALID_PARAM."""
-
-
-class CpgNoMemory(CpgFatalError):
-    """CS_ERR_NO_MEMORY."""
-
-
-class CpgBadHandle(CpgFatalError):
-    """CS_ERR_BAD_HANDLE: the handle was finalized (or never valid)."""
-
-    hint = "the handle is closed"
-    handle_dead = True
-
-
-class CpgBusy(CpgFatalError):
-    """CS_ERR_BUSY."""
-
-
-class CpgAccessError(CpgFatalError):
-    """CS_ERR_ACCESS: this user may not use corosync's IPC."""
-
-    hint = "this user may not connect to corosync (run as root or add a uidgid entry)"
-
-
-class CpgNotExist(CpgFatalError):
-    """CS_ERR_NOT_EXIST: e.g. sending or leaving without having joined a group."""
-
-
-class CpgNameTooLong(CpgFatalError):
-    """CS_ERR_NAME_TOO_LONG: a group name longer than CPG_MAX_NAME_LENGTH bytes."""
-
-
-class CpgExist(CpgFatalError):
-    """CS_ERR_EXIST: e.g. joining a group this process or handle already joined."""
-
-
-class CpgNoSpace(CpgFatalError):
-    """CS_ERR_NO_SPACE."""
-
-
-class CpgInterrupt(CpgFatalError):
-    """CS_ERR_INTERRUPT."""
-
-
-class CpgNameNotFound(CpgFatalError):
-    """CS_ERR_NAME_NOT_FOUND."""
-
-
-class CpgNoResources(CpgFatalError):
-    """CS_ERR_NO_RESOURCES."""
-
-
-class CpgNotSupported(CpgFatalError):
-    """CS_ERR_NOT_SUPPORTED."""
-
-
-class CpgBadOperation(CpgFatalError):
-    """CS_ERR_BAD_OPERATION."""
-
-
-class CpgFailedOperation(CpgFatalError):
-    """CS_ERR_FAILED_OPERATION."""
-
-
-class CpgMessageError(CpgFatalError):
-    """CS_ERR_MESSAGE_ERROR."""
-
-
-class CpgQueueFull(CpgFatalError):
-    """CS_ERR_QUEUE_FULL."""
-
-
-class CpgQueueNotAvailable(CpgFatalError):
-    """CS_ERR_QUEUE_NOT_AVAILABLE."""
-
-
-class CpgBadFlags(CpgFatalError):
-    """CS_ERR_BAD_FLAGS."""
-
-
-class CpgTooBig(CpgFatalError):
-    """CS_ERR_TOO_BIG: a message larger than the handle's limit."""
-
-
-class CpgNoSections(CpgFatalError):
-    """CS_ERR_NO_SECTIONS."""
-
-
-class CpgContextNotFound(CpgFatalError):
-    """CS_ERR_CONTEXT_NOT_FOUND."""
-
-
-class CpgTooManyGroups(CpgFatalError):
-    """CS_ERR_TOO_MANY_GROUPS."""
-
-
-class CpgSecurity(CpgFatalError):
-    """CS_ERR_SECURITY."""
-
-
-class CpgUnknownError(CpgFatalError):
-    """A ``cs_error_t`` value this binding does not know (a newer corosync)."""
-
-
-_ERROR_CLASSES: Final[dict[int, type[CsError]]] = {
-    lib.CS_ERR_LIBRARY: CpgLibraryError,
-    lib.CS_ERR_VERSION: CpgVersionError,
-    lib.CS_ERR_INIT: CpgInitError,
-    lib.CS_ERR_TIMEOUT: CpgTimeout,
-    lib.CS_ERR_TRY_AGAIN: CpgTryAgain,
-    lib.CS_ERR_INVALID_PARAM: CpgInvalidParam,
-    lib.CS_ERR_NO_MEMORY: CpgNoMemory,
-    lib.CS_ERR_BAD_HANDLE: CpgBadHandle,
-    lib.CS_ERR_BUSY: CpgBusy,
-    lib.CS_ERR_ACCESS: CpgAccessError,
-    lib.CS_ERR_NOT_EXIST: CpgNotExist,
-    lib.CS_ERR_NAME_TOO_LONG: CpgNameTooLong,
-    lib.CS_ERR_EXIST: CpgExist,
-    lib.CS_ERR_NO_SPACE: CpgNoSpace,
-    lib.CS_ERR_INTERRUPT: CpgInterrupt,
-    lib.CS_ERR_NAME_NOT_FOUND: CpgNameNotFound,
-    lib.CS_ERR_NO_RESOURCES: CpgNoResources,
-    lib.CS_ERR_NOT_SUPPORTED: CpgNotSupported,
-    lib.CS_ERR_BAD_OPERATION: CpgBadOperation,
-    lib.CS_ERR_FAILED_OPERATION: CpgFailedOperation,
-    lib.CS_ERR_MESSAGE_ERROR: CpgMessageError,
-    lib.CS_ERR_QUEUE_FULL: CpgQueueFull,
-    lib.CS_ERR_QUEUE_NOT_AVAILABLE: CpgQueueNotAvailable,
-    lib.CS_ERR_BAD_FLAGS: CpgBadFlags,
-    lib.CS_ERR_TOO_BIG: CpgTooBig,
-    lib.CS_ERR_NO_SECTIONS: CpgNoSections,
-    lib.CS_ERR_CONTEXT_NOT_FOUND: CpgContextNotFound,
-    lib.CS_ERR_TOO_MANY_GROUPS: CpgTooManyGroups,
-    lib.CS_ERR_SECURITY: CpgSecurity,
-}
-for _code, _cls in _ERROR_CLASSES.items():
-    _cls.code = _code
-CpgConnectionLost.code = lib.CS_ERR_LIBRARY
-CS_OK: Final[int] = lib.CS_OK
-_TRY_AGAIN: Final[int] = lib.CS_ERR_TRY_AGAIN
-
-
-def error_class(code: int) -> type[CsError]:
-    """The exception class for a ``cs_error_t`` value."""
-    return _ERROR_CLASSES.get(code, CpgUnknownError)
-
-
-def make_error(code: int, operation: str, detail: str | None = None) -> CsError:
-    """The exception instance for a failed call (``code`` must not be CS_OK)."""
-    cls = error_class(code)
-    return cls(operation, detail, code=code)
-
-
-class CpgNetnsError(errors.CpgError):
-    """A network namespace given for a handle does not exist or cannot be entered."""
-
-
-class CpgHungError(CpgFatalError):
-    """A call that needs an answer from corosync got none in time: corosync hangs.
-
-    Raised by the trio adapter's guarded calls. The handle must be abandoned: the blocked call
-    may still return at any time, and finalizing would block the same way.
-    """
-
-    code = lib.CS_ERR_TIMEOUT
-    hint = "corosync did not answer in time (stopped or hung)"
-    handle_dead = True
-
-
-# ---------------------------------------------------------------------------- events
-
-
-class Reason(enum.IntEnum):
-    """Why a member joined or left a group (``cpg_reason_t``)."""
-
-    UNDEFINED = 0
-    JOIN = 1
-    LEAVE = 2
-    NODEDOWN = 3
-    NODEUP = 4
-    PROCDOWN = 5
-
-
-def _reason(value: int) -> Reason:
-    try:
-        return Reason(value)
-    except ValueError:
-        return Reason.UNDEFINED
-
-
-@attrs.frozen
-class Member:
-    """A group member: a process on a node. Corosync identifies members by this pair."""
-
-    nodeid: int
-    pid: int
-
-
-@attrs.frozen
-class MemberChange:
-    """A member that joined or left, with corosync's reason."""
-
-    nodeid: int
-    pid: int
-    reason: Reason
-
-    @property
-    def member(self) -> Member:
-        return Member(self.nodeid, self.pid)
-
-
-@attrs.frozen
-class RingId:
-    """A totem ring id: the representative node and a sequence number that only grows."""
-
-    nodeid: int
-    seq: int
-
-
-@attrs.frozen
-class Deliver:
-    """A message multicast to ``group`` by member (``nodeid``, ``pid``)."""
-
-    group: bytes
-    nodeid: int
-    pid: int
-    data: bytes
-
-
-@attrs.frozen
-class ConfChg:
-    """The membership of ``group`` changed; ``members`` is the full new list."""
-
-    group: bytes
-    members: tuple[Member, ...]
-    left: tuple[MemberChange, ...]
-    joined: tuple[MemberChange, ...]
-
-
-@attrs.frozen
-class TotemConfChg:
-    """The totem ring changed: its id and the node ids in it (not only group members)."""
-
-    ring_id: RingId
-    members: tuple[int, ...]
-
-
-@attrs.frozen
-class PartitionMerge:
-    """Members came back into ``group`` through a ring merge (reason NODEUP).
-
-    ``rejoined`` were seen leaving with NODEDOWN earlier: they lived on in another partition,
-    and neither side received what the other multicast meanwhile. ``merged`` were never seen
-    before (for example a process that joined in a partition formed before this node merged);
-    their history is just as unknown. Either way the group's state may have diverged; what to
-    do about it is the cluster layer's decision.
-    """
-
-    group: bytes
-    rejoined: tuple[Member, ...]
-    merged: tuple[Member, ...]
-
-
-@attrs.frozen
-class RingChangeSameMembers:
-    """The totem ring was re-formed with exactly the same nodes (for example after a token
-    loss under CPU starvation): no member change is reported, but a reconfiguration happened."""
-
-    ring_id: RingId
-    previous: RingId
-    members: tuple[int, ...]
-
-
-HazardEvent: TypeAlias = PartitionMerge | RingChangeSameMembers
-CpgEvent: TypeAlias = Deliver | ConfChg | TotemConfChg | PartitionMerge | RingChangeSameMembers
-
-
-class MembershipTracker:
-    """Watches one handle's configuration events and reports the hazards they reveal.
-
-    Pure logic, no I/O: feed it every :class:`ConfChg` and :class:`TotemConfChg` in delivery
-    order; it returns the hazard events each one reveals (usually none).
-    """
-
-    def __init__(self) -> None:
-        # Per group: members that left with NODEDOWN, i.e. may still be alive elsewhere.
-        self._departed: dict[bytes, set[Member]] = {}
-        self.ring_id: RingId | None = None
-        self.ring_members: tuple[int, ...] = ()
-
-    def feed(self, event: ConfChg | TotemConfChg) -> list[HazardEvent]:
-        if isinstance(event, TotemConfChg):
-            return self._totem(event)
-        return self._confchg(event)
-
-    def _totem(self, event: TotemConfChg) -> list[HazardEvent]:
-        previous, previous_members = self.ring_id, self.ring_members
-        self.ring_id, self.ring_members = event.ring_id, event.members
-        if (
-            previous is not None
-            and event.ring_id != previous
-            and sorted(event.members) == sorted(previous_members)
-        ):
-            return [RingChangeSameMembers(event.ring_id, previous, event.members)]
-        return []
-
-    def _confchg(self, event: ConfChg) -> list[HazardEvent]:
-        departed = self._departed.setdefault(event.group, set())
-        for change in event.left:
-            if change.reason == Reason.NODEDOWN:
-                departed.add(change.member)
-            else:
-                # LEAVE and PROCDOWN: the process itself is gone from the group for good.
-                departed.discard(change.member)
-        rejoined: list[Member] = []
-        merged: list[Member] = []
-        for change in event.joined:
-            member = change.member
-            if change.reason == Reason.NODEUP:
-                (rejoined if member in departed else merged).append(member)
-            # A fresh cpg_join (reason JOIN) starts a new history even for a pid seen before.
-            departed.discard(member)
-        if rejoined or merged:
-            return [PartitionMerge(event.group, tuple(rejoined), tuple(merged))]
-        return []
 
 
 def tune_malloc(trim_threshold: int = 256 << 20, mmap_threshold: int = 32 << 20) -> bool:
@@ -678,7 +285,7 @@ class Cpg:
         deadline = time.monotonic() + try_again_for
         while True:
             rc = lib.cpg_join(handle, cname)
-            if rc != _TRY_AGAIN or time.monotonic() >= deadline:
+            if rc != TRY_AGAIN or time.monotonic() >= deadline:
                 break
             time.sleep(0.01)
         self._check(rc, "cpg_join")
@@ -787,7 +394,7 @@ class Cpg:
             self._sent_out,
         )
         sent = int(self._sent_out[0])
-        if rc != CS_OK and rc != _TRY_AGAIN:
+        if rc != CS_OK and rc != TRY_AGAIN:
             err = make_error(rc, "cpg_mcast_joined")
             err.sent = sent
             raise err
@@ -860,7 +467,7 @@ class Cpg:
             self._pending_error = make_error(
                 error, operation, "an event could not be stored; events after it were lost"
             )
-        if rc != CS_OK and not (rc == _TRY_AGAIN and flags == _DISPATCH_ONE_NONBLOCKING):
+        if rc != CS_OK and not (rc == TRY_AGAIN and flags == _DISPATCH_ONE_NONBLOCKING):
             err = (
                 CpgConnectionLost(operation)
                 if rc == lib.CS_ERR_LIBRARY

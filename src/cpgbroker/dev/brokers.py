@@ -1,4 +1,4 @@
-"""One broker per node of a :class:`~cpgbroker.devcluster.DevCluster`: a local cluster of
+"""One broker per node of a :class:`~cpgbroker.dev.cluster.DevCluster`: a local cluster of
 cpgbroker members for development, tests and the demo.
 
 Each broker process runs in the host's network namespace, so its AMQP port and status
@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from cpgbroker.devcluster import DevCluster, DevClusterError
+from cpgbroker.dev.cluster import DevCluster, DevClusterError
 
 PROCESS = "broker"
 
