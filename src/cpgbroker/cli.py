@@ -60,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     member_stop.add_argument("id", type=int, help="member id (see cpgbroker status)")
     ns = parser.parse_args(args)
     if ns.command == "start":
-        from cpgbroker.runtime import server
+        from cpgbroker.runtime import main as runtime_main
 
-        return server.main(config_path=ns.config, listen=ns.listen)
+        return runtime_main.main(config_path=ns.config, listen=ns.listen)
     if ns.command == "status":
         return _status(ns.url, ns.json)
     if ns.command in ("cluster", "member"):

@@ -386,7 +386,7 @@ async def test_control_requests_with_bad_bodies_get_400_and_the_endpoint_lives_o
 
 
 async def test_updater_children_of_an_ended_incarnation_are_ended_and_reaped() -> None:
-    from cpgbroker.runtime.member import reap_updaters
+    from cpgbroker.runtime.process import reap_updaters
 
     async with trio.open_nursery() as nursery:
         (a,), _ = await start(nursery, 1)

@@ -15,13 +15,11 @@ Flow control, end to end:
 
 from __future__ import annotations
 
-import gc
 import ipaddress
 import logging
 import os
 import signal
 import time
-from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -375,118 +373,3 @@ async def wait_for_signal() -> int:
         async for signum in signals:
             return int(signum)
     raise AssertionError("signal receiver ended")  # pragma: no cover
-
-
-async def serve(
-    config: ServerConfig,
-    *,
-    task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
-    node_factory: Callable[[ServerConfig], Node] | None = None,
-) -> None:
-    """Serve until cancelled or signalled; reports the bound (host, port) pairs via
-    ``task_status`` (port 0 in the config picks a free port)."""
-    node = (node_factory or Node)(config)
-    listeners, bound = await open_listeners(config)
-    node.now_ms()
-    await node.submit(Tick(node.now_ms()))
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(node.ticker)
-        serve_scope = trio.CancelScope()
-
-        async def run_listeners() -> None:
-            with serve_scope:
-                await trio.serve_listeners(node.handle, listeners, handler_nursery=nursery)
-
-        nursery.start_soon(run_listeners)
-        if config.admin_listen:
-            from cpgbroker.runtime import admin
-
-            await nursery.start(admin.serve_admin, config.admin_listen, node.status)
-        task_status.started(bound)
-        signum = await wait_for_signal()
-        log.info(
-            "shutting down signal=%s connections=%d grace=%.1fs",
-            signal.Signals(signum).name,
-            len(node.local),
-            config.shutdown_grace,
-        )
-        # Graceful: stop accepting, tell every client (320 CONNECTION_FORCED), give them the
-        # grace period to take it, then cancel whatever is left.
-        serve_scope.cancel()
-        for lst in listeners:
-            await lst.aclose()
-        await node.shutdown_clients(config.shutdown_grace)
-        nursery.cancel_scope.cancel()
-    log.info("stopped")
-
-
-class _LogfmtFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-        ms = int(record.msecs)
-        msg = record.getMessage()
-        return f"ts={ts}.{ms:03d}Z level={record.levelname.lower()} logger={record.name} msg={msg}"
-
-
-def setup_logging(level: str, fmt: str = "logfmt") -> None:
-    handler = logging.StreamHandler()
-    if fmt == "logfmt":
-        handler.setFormatter(_LogfmtFormatter())
-    root = logging.getLogger("cpgbroker")
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    root.propagate = False
-
-
-def main(config_path: str | None, listen: str | None) -> int:
-    from cpgbroker.errors import ConfigError
-    from cpgbroker.runtime import settings as cfgmod
-
-    try:
-        cfg = cfgmod.load(config_path, listen)
-    except ConfigError as e:
-        print(f"cpgbroker: {e}")
-        return 2
-    setup_logging(cfg.log_level, cfg.log_format)
-    from cpgbroker.errors import ClusterError, CpgError
-
-    tune_gc()
-
-    try:
-        trio.run(_main_async, cfg)
-    except Exception as e:
-        # trio nurseries wrap errors in exception groups; report the one that happened.
-        leaf = _single_leaf(e)
-        if isinstance(leaf, OSError):
-            log.error("cannot serve: %s", leaf)
-            return 1
-        if isinstance(leaf, (ClusterError, CpgError)):
-            log.error("stopped: %s", leaf)
-            return 3
-        raise
-    return 0
-
-
-def tune_gc() -> None:
-    """The broker allocates a few small objects per message and almost never makes reference
-    cycles; at the default thresholds the cyclic collector runs every 700 allocations and its
-    pauses show up in the latency tail. Collect far less often, and never scan what exists
-    at start-up (imports, config)."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(100_000, 50, 100)
-
-
-def _single_leaf(e: BaseException) -> BaseException:
-    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
-        e = e.exceptions[0]
-    return e
-
-
-async def _main_async(cfg: ServerConfig) -> Any:
-    if cfg.cluster is not None:
-        from cpgbroker.runtime import member
-
-        await member.serve_member(cfg)
-    else:
-        await serve(cfg)

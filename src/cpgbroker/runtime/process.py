@@ -1,0 +1,466 @@
+"""One broker process as a cluster member: the process start-up and its incarnations.
+
+A :class:`MemberProcess` outlives the CPG memberships it goes through (quorum loss ends an
+incarnation, regaining it starts a new one that takes a state update); it owns the AMQP and
+state-update listeners, the status endpoint, the votequorum reader and the watchdog. Each
+incarnation is one :class:`~cpgbroker.runtime.member.ClusterNode`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import urllib.parse
+from typing import Any
+
+import trio
+
+from cpgbroker.corosync.cpg import tune_malloc
+from cpgbroker.errors import ClusterError, CpgError
+from cpgbroker.model.broker import Broker
+from cpgbroker.runtime import admin, watchdog
+from cpgbroker.runtime.cpg_trio import open_cpg
+from cpgbroker.runtime.member import (
+    NOT_QUORATE_TEXT,
+    RESYNC_TEXT,
+    SUSPEND_GRACE,
+    ClusterNode,
+    member_id,
+)
+from cpgbroker.runtime.quorum_trio import TrioQuorum, open_quorum
+from cpgbroker.runtime.server import (
+    forced_close_frame,
+    open_listeners,
+    wait_for_signal,
+)
+from cpgbroker.runtime.settings import ServerConfig, parse_listen
+
+log = logging.getLogger("cpgbroker.member")
+
+
+async def reap_updaters(updates: dict[int, dict[str, Any]]) -> None:
+    """Collect finished updater children (no threads: poll)."""
+    while True:
+        await trio.sleep(0.5)
+        for pid in list(updates):
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done, status = pid, 0
+            if done:
+                info = updates.pop(pid)
+                code = os.waitstatus_to_exitcode(status)
+                (log.info if code == 0 else log.warning)(
+                    "state update to member=%s finished exit=%s after %.1f s",
+                    info["newcomer"],
+                    code,
+                    time.monotonic() - info["started"],
+                )
+
+
+async def open_update_listeners(update_listen: str, url: str) -> list[trio.SocketListener]:
+    if update_listen:
+        host, port = parse_listen(update_listen)
+    else:
+        host, port = urllib.parse.urlsplit(url).hostname or "127.0.0.1", 0
+    return await trio.open_tcp_listeners(port, host=host)
+
+
+def listener_address(lst: trio.SocketListener) -> str:
+    host, port = lst.socket.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class MemberProcess:
+    """One broker process as a cluster member, across incarnations.
+
+    An incarnation is one CPG membership (one :class:`ClusterNode` and its model). Losing
+    quorum ends it: its clients are told to go, its state is dropped, and once the partition
+    is quorate again a new incarnation joins the group as a newcomer and takes a state update.
+    The AMQP listeners, the status endpoint and the votequorum handle outlive incarnations;
+    while no incarnation serves, new AMQP connections are refused with connection.close 320.
+    """
+
+    def __init__(self, config: ServerConfig, quorum: TrioQuorum) -> None:
+        assert config.cluster is not None
+        self.config = config
+        self.cluster = config.cluster
+        self.quorum = quorum
+        self.node: ClusterNode | None = None
+        self.conn_counter = 0
+        self.incarnations = 0
+        self.phase = "waiting-for-quorum"
+        self.last_suspension: str | None = None
+        self.refused = 0
+        self.stop = trio.Event()
+        # (model, ring seq) kept from an incarnation that served until quorum was lost.
+        self.kept: tuple[Broker, int] | None = None
+        self.watchdog: Any = None
+        # Updater children of every incarnation (see ClusterNode.updates), reaped here.
+        self.updates: dict[int, dict[str, Any]] = {}
+
+    def status(self, with_digest: bool = False) -> dict[str, Any]:
+        node = self.node
+        if node is not None and node.suspended is None:
+            out = node.status(with_digest)
+        else:
+            out = {
+                "member": None if node is None else node.member,
+                "url": self.cluster.url,
+                "state": self.phase,
+                "digest": None,
+                "event_seq": None,
+                "members": [],
+                # A suspended member's clients linger until they read connection.close.
+                "connections": {"local": 0 if node is None else len(node.local), "shadow": 0},
+                "queues": {},
+                "quorum": self.quorum.status(),
+            }
+        out["incarnations"] = self.incarnations
+        out["refused_connections"] = self.refused
+        out["watchdog"] = (
+            None
+            if self.watchdog is None
+            else {"pid": self.watchdog.pid, "timeout": self.cluster.watchdog_timeout}
+        )
+        if self.last_suspension is not None:
+            out["last_suspension"] = self.last_suspension
+        return out
+
+    async def control(self, path: str, args: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """``POST /stop`` {"member": ID} (none: the whole cluster) and ``POST /faults``
+        {"kind", "at_seq"} from the status endpoint."""
+        node = self.node
+        if node is None or not node.serving or node.halted is not None:
+            return 409, {"error": f"this member does not serve ({self.phase}): ask another"}
+        try:
+            if path == "/stop":
+                target = admin.json_int(args, "member", 0)
+                seq = await node.request_stop(target)
+                return 202, {"stopping": target if target else "cluster", "at_seq": seq}
+            if path == "/faults":
+                if not self.cluster.fault_injection:
+                    return 403, {"error": "fault injection is off ([cluster] fault_injection)"}
+                return 200, node.inject_fault(
+                    str(args.get("kind")),
+                    admin.json_int(args, "at_seq", node.broker.event_seq + 1),
+                )
+        except (ClusterError, ValueError, TypeError) as e:
+            return 400, {"error": str(e)}
+        except trio.TooSlowError:
+            return 409, {"error": "the request was not delivered back in time"}
+        return 404, {"error": f"no control request {path}"}
+
+    async def feed_watchdog(self) -> None:
+        """Signs of life for the watchdog process, from the event loop that processes the
+        stream: if that loop blocks or the process stops, the feeding stops."""
+        period = self.cluster.watchdog_timeout / 5
+        while True:
+            watchdog.feed(self.watchdog)
+            await trio.sleep(period)
+
+    async def handle_client(self, stream: trio.SocketStream) -> None:
+        node = self.node
+        if self.stop.is_set():
+            await refuse(stream, "broker shutdown")
+            return
+        if node is None or not node.serving:
+            self.refused += 1
+            await refuse(stream, NOT_QUORATE_TEXT if not self.quorum.quorate else RESYNC_TEXT)
+            return
+        with trio.CancelScope() as scope:
+            key = id(scope)
+            node.client_scopes[key] = scope
+            try:
+                await node.handle(stream)
+            finally:
+                del node.client_scopes[key]
+
+    async def run(
+        self, task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        config, cluster = self.config, self.cluster
+        listeners: list[trio.SocketListener] = []
+        async with trio.open_nursery() as outer:
+            if config.admin_listen:
+                # Before readiness: ``status`` shows a joining member's quorum and progress.
+                await outer.start(
+                    admin.serve_admin,
+                    config.admin_listen,
+                    self.status,
+                    self.control,
+                    config.admin_token,
+                )
+            if cluster.watchdog_timeout > 0:
+                self.watchdog = watchdog.spawn(cluster.watchdog_timeout)
+                log.info("watchdog pid=%s timeout=%gs", self.watchdog.pid, cluster.watchdog_timeout)
+                outer.start_soon(self.feed_watchdog)
+            outer.start_soon(reap_updaters, self.updates)
+
+            async def on_signal() -> None:
+                signum = await wait_for_signal()
+                log.info("stopping member signal=%s", signum)
+                self.stop.set()
+                if self.node is None or not self.node.serving:
+                    outer.cancel_scope.cancel()  # nothing to shut down gracefully
+
+            outer.start_soon(on_signal)
+            await self._check_quorum_policy()
+            first = True
+            while True:
+                if not self.quorum.quorate:
+                    self.phase = "waiting-for-quorum"
+                    log.warning("this node's partition is not quorate: waiting for quorum")
+                    if first:
+                        # Start-up waits for quorum as well as for the configured size.
+                        with trio.move_on_after(cluster.ready_timeout):
+                            await self.quorum.wait_quorate()
+                        if not self.quorum.quorate:
+                            raise ClusterError(
+                                f"this node was not quorate within {cluster.ready_timeout:.0f} s"
+                            )
+                    else:
+                        await self.quorum.wait_quorate()
+                    log.info("quorate: joining the cluster group")
+                self.phase = "joining"
+                serving_started = await self._incarnation(outer, listeners, first)
+                if serving_started and first:
+                    first = False
+                    task_status.started(self.bound)
+                if self.stop.is_set():
+                    break
+            outer.cancel_scope.cancel()
+        for lst in listeners:
+            await lst.aclose()
+
+    def close_watchdog(self) -> None:
+        """A member that exits on purpose tells its watchdog so (EOF) rather than starve it."""
+        w, self.watchdog = self.watchdog, None
+        if w is not None:
+            with contextlib.suppress(OSError):
+                w.stdin.close()
+            with contextlib.suppress(Exception):
+                w.wait(2)
+
+    async def _check_quorum_policy(self) -> None:
+        """Refuse votequorum settings under which two sides of a split both stay quorate."""
+        info = await self.quorum.call(self.quorum.quorum.getinfo)
+        if info.two_node:
+            raise ClusterError(
+                "corosync's votequorum runs in two_node mode: after a split both nodes stay "
+                "quorate (votequorum expects fencing), so both would serve and diverge; run three "
+                "nodes (or two with a quorum device) and set two_node: 0"
+            )
+        if info.expected_votes > self.cluster.size:
+            log.warning(
+                "[cluster] size is %d but corosync expects %d votes: after a split in which "
+                "every member lost quorum, the first %d members back decide whose kept state "
+                "is resumed; set size to the number of nodes",
+                self.cluster.size,
+                info.expected_votes,
+                self.cluster.size,
+            )
+
+    async def _incarnation(
+        self, outer: trio.Nursery, listeners: list[trio.SocketListener], first: bool
+    ) -> bool:
+        """Join, get ready (from scratch or by update), serve until signalled (returns) or
+        suspended (returns, the caller waits for quorum and starts another). Returns whether
+        the member served in this incarnation."""
+        config, cluster = self.config, self.cluster
+        self.incarnations += 1
+        served = False
+        async with open_cpg(cluster.group, netns=cluster.netns or None) as cpg:
+            me = member_id(cpg.local_nodeid, os.getpid())
+            node = ClusterNode(
+                config,
+                cpg,
+                me,
+                quorum=self.quorum,
+                conn_counter=self.conn_counter,
+                kept=self.kept,
+                incarnation=self.incarnations,
+                updates=self.updates,
+            )
+            self.node = node
+            unregister = self.quorum.on_loss(node.on_quorum_loss)
+            log.info(
+                "joined member=%s node=%s pid=%s incarnation=%d",
+                me,
+                cpg.local_nodeid,
+                os.getpid(),
+                self.incarnations,
+            )
+            try:
+                async with trio.open_nursery() as nursery:
+                    node.scope = nursery.cancel_scope
+                    if not self.quorum.quorate:  # lost between the wait and the join
+                        node.suspend("this node lost quorum while joining")
+
+                    async def guarded(fn: Any) -> None:
+                        # A member that cannot stay consistent stops serving at once; the
+                        # failure is reported after the nursery, not as an exception group.
+                        try:
+                            await fn()
+                        except (ClusterError, CpgError) as e:
+                            node.failure = str(e)
+                            nursery.cancel_scope.cancel()
+
+                    update_listeners = await open_update_listeners(
+                        cluster.update_listen, cluster.url
+                    )
+                    node.update_address = listener_address(update_listeners[0])
+                    nursery.start_soon(trio.serve_listeners, node.update_handler, update_listeners)
+                    nursery.start_soon(guarded, node.sender)
+                    nursery.start_soon(guarded, node.deliver_loop)
+                    nursery.start_soon(guarded, node.catch_up)
+                    nursery.start_soon(guarded, node.collect_digests)
+                    nursery.start_soon(node.cluster_ticker)
+                    activity = -1
+                    while not node.ready.is_set():
+                        with trio.move_on_after(cluster.ready_timeout):
+                            await node.ready.wait()
+                        if node.ready.is_set() or nursery.cancel_scope.cancel_called:
+                            break
+                        if node.update_activity() != activity:
+                            activity = node.update_activity()  # an update progresses: wait on
+                            continue
+                        if node.kept is not None:
+                            # Leaving would throw away what may be the cluster's only copy of
+                            # its confirmed messages (every member lost quorum): wait for the
+                            # other members to come back instead.
+                            log.warning(
+                                "holding the state kept since quorum was lost: waiting for %d "
+                                "members to rejoin (have %d)",
+                                cluster.size,
+                                len(node.membership.members),
+                            )
+                            continue
+                        node.failure = (
+                            f"the cluster did not become ready within "
+                            f"{cluster.ready_timeout:.0f} s (expected {cluster.size} members, "
+                            f"have {len(node.membership.members)}, state {node._state_name()})"
+                        )
+                        nursery.cancel_scope.cancel()
+                        await trio.lowlevel.checkpoint()
+                    if node.ready.is_set() and not nursery.cancel_scope.cancel_called:
+                        if not listeners:
+                            opened, self.bound = await open_listeners(config)
+                            listeners.extend(opened)
+                            outer.start_soon(self._accept, listeners, outer)
+                        served = True
+                        self.kept = None  # serving again: the kept state was resumed or replaced
+                        self.phase = "ready"
+                        log.info("serving clients (incarnation %d)", self.incarnations)
+                        await _first_of(self.stop, node.stop_requested)
+                        if node.halted is not None:
+                            # A stop request: this member stops where the stream said, and
+                            # leaves the group at once (the others count it in stability
+                            # and flow control until then); its clients go after.
+                            await node.finish_stop()
+                            self.phase = "stopped"
+                            self.stop.set()
+                        else:
+                            log.info("stopping member=%s", me)
+                            await node.shutdown_clients(config.shutdown_grace)
+                        nursery.cancel_scope.cancel()
+            finally:
+                unregister()
+                node.end_updates()
+                self.conn_counter = node._conn_counter
+                node.close()
+            if node.failure is not None:
+                log.error("leaving the cluster: %s", node.failure)
+                # Our clients must fail over: tell them why, then drop them. The other members
+                # see us leave through CPG and close our clients' shadows at that point.
+                frame = forced_close_frame("member left the cluster: " + node.failure[:150])
+                for lc in list(node.local.values()):
+                    with (
+                        trio.move_on_after(1),
+                        contextlib.suppress(
+                            trio.BrokenResourceError,
+                            trio.ClosedResourceError,
+                            trio.BusyResourceError,
+                        ),
+                    ):
+                        await lc.stream.send_all(frame)
+                    await lc.stream.aclose()
+                raise ClusterError(node.failure)
+            if node.halted is not None:
+                with trio.move_on_after(config.shutdown_grace):
+                    while node.local:  # clients read their connection.close and go
+                        await trio.sleep(0.02)
+                for scope in list(node.client_scopes.values()):
+                    scope.cancel()
+            if node.suspended is not None:
+                self.phase = "suspended"
+                self.last_suspension = node.suspended
+                if node.discard_state:
+                    self.kept = None  # the serving members' state replaces ours
+                elif node.ready.is_set() and node._ring is not None:
+                    # Offered when rejoining, used only if nobody kept serving meanwhile.
+                    self.kept = (node.broker, node._ring.seq)
+                else:
+                    # Suspended before serving: still what it was offered with, unless a
+                    # serving member was seen meanwhile (then that member's state replaces it,
+                    # and offering the old one again could resume stale state).
+                    self.kept = node.kept
+                # Leaving the group (closing the handle, below) is what lets the quorate side
+                # forget this incarnation; its clients get a moment to read connection.close.
+                with trio.move_on_after(SUSPEND_GRACE):
+                    while node.local:
+                        await trio.sleep(0.02)
+                for scope in list(node.client_scopes.values()):
+                    scope.cancel()
+        return served
+
+    async def _accept(self, listeners: list[trio.SocketListener], outer: trio.Nursery) -> None:
+        await trio.serve_listeners(self.handle_client, listeners, handler_nursery=outer)
+
+    bound: list[tuple[str, int]] = []
+
+
+async def _first_of(*events: trio.Event) -> None:
+    async with trio.open_nursery() as nursery:
+
+        async def wait(ev: trio.Event) -> None:
+            await ev.wait()
+            nursery.cancel_scope.cancel()
+
+        for ev in events:
+            nursery.start_soon(wait, ev)
+
+
+async def refuse(stream: trio.SocketStream, text: str) -> None:
+    """Turn away a client while this member does not serve: read its protocol header, answer
+    connection.close 320 with the reason (clients report it; failover clients move on), close."""
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        with trio.move_on_after(2):
+            await stream.receive_some(8)
+            await stream.send_all(forced_close_frame(text))
+            with trio.move_on_after(0.5):
+                await stream.receive_some(4096)  # its close-ok, or EOF
+    await stream.aclose()
+
+
+async def serve_member(
+    config: ServerConfig,
+    *,
+    task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    cluster = config.cluster
+    assert cluster is not None
+    log.info(
+        "joining cluster group=%s size=%d netns=%s", cluster.group, cluster.size, cluster.netns
+    )
+    # Keep freed memory in the process: otherwise glibc returns it after every batch of large
+    # CPG messages and page-faults it back for the next (measured in docs/performance.md).
+    tune_malloc()
+    async with open_quorum(netns=cluster.netns or None) as quorum:
+        process = MemberProcess(config, quorum)
+        try:
+            await process.run(task_status=task_status)
+        finally:
+            process.close_watchdog()
