@@ -6,6 +6,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check src tests
 .venv/bin/mypy
+# The dependency rule (pyproject.toml [tool.importlinter]): layers, pure packages, no cycles.
+.venv/bin/lint-imports --no-cache --no-logo
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?

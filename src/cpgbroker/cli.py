@@ -9,9 +9,9 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "devcluster":
-        from cpgbroker.dev import cluster as devcluster
+        from cpgbroker.dev import cli as devcluster_cli
 
-        return devcluster.main(args[1:])
+        return devcluster_cli.main(args[1:])
     if args and args[0] == "audit":
         # Its own parser; pyspark is imported only when an audit runs (the audit extra).
         from cpgbroker.audit.cli import main as audit_main

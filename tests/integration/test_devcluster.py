@@ -14,12 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from cpgbroker.dev.cluster import (
-    DevCluster,
-    cleanup_stale_test_clusters,
-    list_netns,
-    new_test_prefix,
-)
+from cpgbroker.dev.cluster import DevCluster, cleanup_stale_test_clusters, new_test_prefix
+from cpgbroker.dev.netns import list_netns
 
 pytestmark = pytest.mark.integration
 

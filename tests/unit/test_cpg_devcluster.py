@@ -1,4 +1,4 @@
-"""Pure parts of the dev cluster tool: config rendering, parsing, checks, CLI error handling."""
+"""Pure parts of the dev cluster tools: config rendering, parsing, checks, CLI error handling."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from cpgbroker.dev import cli as devcli
 from cpgbroker.dev import cluster as devcluster
-from cpgbroker.dev.cluster import DevCluster, DevClusterError, parse_quorumtool, render_config
+from cpgbroker.dev.cluster import DevCluster, DevClusterError
+from cpgbroker.dev.corosynctools import default_template, parse_quorumtool, render_config
 
 QUORUMTOOL_OUTPUT = """\
 Quorum information
@@ -39,7 +41,7 @@ Membership information
 
 def test_config_from_the_shipped_template() -> None:
     text = render_config(
-        devcluster.default_template().read_text(),
+        default_template().read_text(),
         cluster_name="t1",
         token_ms=1000,
         addresses=["10.213.9.1", "10.213.9.2"],
@@ -65,7 +67,7 @@ def test_config_from_the_shipped_template() -> None:
     assert text.count("node {") == 2
     # devcluster up --realtime: corosync's own default.
     rt = render_config(
-        devcluster.default_template().read_text(),
+        default_template().read_text(),
         cluster_name="t1",
         token_ms=1000,
         addresses=["10.213.9.1"],
@@ -112,7 +114,7 @@ def test_cli_reports_missing_root_without_traceback(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     monkeypatch.setattr(devcluster.os, "geteuid", lambda: 1000)
-    rc = devcluster.main(["up", "--nodes", "2", "--prefix", "unit", "--state-dir", str(tmp_path)])
+    rc = devcli.main(["up", "--nodes", "2", "--prefix", "unit", "--state-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 1
     assert err.startswith("cpgbroker devcluster: error: devcluster needs root")
@@ -121,7 +123,7 @@ def test_cli_reports_missing_root_without_traceback(
 
 
 def test_cli_status_of_unknown_cluster(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    assert devcluster.main(["status", "--prefix", "nope", "--state-dir", str(tmp_path)]) == 1
+    assert devcli.main(["status", "--prefix", "nope", "--state-dir", str(tmp_path)]) == 1
     assert "no dev cluster 'nope'" in capsys.readouterr().err
 
 
@@ -155,3 +157,12 @@ def test_layout_and_state_round_trip(tmp_path: Path) -> None:
     assert other.subnet != c.subnet
     with pytest.raises(DevClusterError, match="no node 4"):
         c.node(4)
+
+
+def test_cpgbroker_cli_dispatches_devcluster(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from cpgbroker.cli import main
+
+    assert main(["devcluster", "status", "--prefix", "nope", "--state-dir", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.startswith("cpgbroker devcluster: error: no dev cluster 'nope'")

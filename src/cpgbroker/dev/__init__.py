@@ -1,3 +1,14 @@
 """Development tools: a real corosync cluster in Linux network namespaces on one machine, one
-broker per node, and their command line. For tests, the demo and benchmarks; a broker member
-never imports this package."""
+broker per node, their command line and their pytest fixtures. For tests, the demo and
+benchmarks; a broker member never imports this package.
+
+Modules, each importing only those listed after it:
+
+* :mod:`~cpgbroker.dev.cli` -- ``cpgbroker devcluster ...``;
+  :mod:`~cpgbroker.dev.fixtures` -- the pytest plugin (``dev_cluster``, ``cluster``,
+  ``brokers``, ...);
+* :mod:`~cpgbroker.dev.brokers` -- :class:`BrokerSet`, one broker per node;
+* :mod:`~cpgbroker.dev.cluster` -- :class:`DevCluster`, one corosync per node;
+* :mod:`~cpgbroker.dev.corosynctools` -- corosync's config, quorum tool output and leftovers;
+* :mod:`~cpgbroker.dev.netns` -- namespaces, links, partition and heal, ``/proc``.
+"""

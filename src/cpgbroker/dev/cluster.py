@@ -1,10 +1,11 @@
-"""A real N-node corosync cluster on one machine: ``cpgbroker devcluster`` and its library API.
+"""A real N-node corosync cluster on one machine: the library API behind ``cpgbroker devcluster``.
 
 Every node is a network namespace ``<prefix>-n<i>`` holding one veth interface with the address
 ``10.213.<subnet>.<i>``; the other ends of the veths sit on a bridge in a hub namespace
-``<prefix>-hub``. Addresses exist only inside namespaces this module created and the namespaces
-have no default route, so nothing touches the host's interfaces or routes (and corosync's
-reverse-DNS lookups at startup fail at once instead of leaving the machine).
+``<prefix>-hub`` (built by :mod:`cpgbroker.dev.netns`). Addresses exist only inside namespaces
+this module created and the namespaces have no default route, so nothing touches the host's
+interfaces or routes (and corosync's reverse-DNS lookups at startup fail at once instead of
+leaving the machine).
 
 One corosync runs per node namespace with its own config, state dir, log file and a private
 ``/run`` (corosync's pid file path is compiled in, and a second instance on the same ``/run``
@@ -17,7 +18,6 @@ file. Extra processes (a broker per node, later) can be attached to a node with
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -26,7 +26,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
@@ -35,7 +34,15 @@ from typing import Any
 
 import attrs
 
-from cpgbroker.errors import CpgBrokerError
+from cpgbroker.dev import netns
+from cpgbroker.dev.corosynctools import (
+    default_template,
+    parse_quorumtool,
+    remove_shm_leftovers,
+    render_config,
+)
+from cpgbroker.dev.netns import DevClusterError as DevClusterError
+from cpgbroker.dev.netns import find_tool, list_netns, pid_alive, proc_state
 
 DEFAULT_STATE_DIR = Path("/tmp/cpgbroker-devcluster")
 DEFAULT_PREFIX = "cpgdev"
@@ -46,17 +53,6 @@ TEST_PREFIX_RE = re.compile(r"^cpgt-(\d+)-[0-9a-f]+$")
 # Namespace names are file names under /run/netns; keep them short and shell-safe.
 PREFIX_RE = re.compile(r"^[a-z][a-z0-9-]{0,23}$")
 MAX_NODES = 16
-# corosync and its tools live in /usr/sbin, which is not on every user's PATH.
-_TOOL_PATH = os.pathsep.join(
-    [os.environ.get("PATH", ""), "/usr/local/sbin", "/usr/sbin", "/sbin", "/usr/bin", "/bin"]
-)
-_NODE_IFACE = "veth0"
-_BRIDGE = "br0"
-_SHM = Path("/dev/shm")
-
-
-class DevClusterError(CpgBrokerError):
-    """The development cluster could not be created, queried or changed; the text says why."""
 
 
 @attrs.define
@@ -108,11 +104,6 @@ class NodeStatus:
         }
 
 
-def find_tool(name: str) -> str | None:
-    """Absolute path of a system tool, also looking in the sbin directories."""
-    return shutil.which(name, path=_TOOL_PATH)
-
-
 def check_environment() -> str | None:
     """Why a dev cluster cannot run on this machine, or None when it can."""
     if os.geteuid() != 0:
@@ -131,156 +122,6 @@ def check_environment() -> str | None:
     if not Path("/proc/self/ns/net").exists():
         return "this kernel has no network namespaces (/proc/self/ns/net is missing)"
     return None
-
-
-def default_template() -> Path:
-    """The corosync.conf template shipped in the source tree's ``configs/``."""
-    env = os.environ.get("CPGBROKER_COROSYNC_TEMPLATE")
-    if env:
-        return Path(env)
-    here = Path(__file__).resolve()
-    for base in (here.parents[3], Path.cwd()):
-        candidate = base / "configs" / "corosync.conf.in"
-        if candidate.is_file():
-            return candidate
-    raise DevClusterError(
-        "configs/corosync.conf.in not found next to the source tree; pass --template or set "
-        "CPGBROKER_COROSYNC_TEMPLATE"
-    )
-
-
-def render_config(
-    template: str,
-    *,
-    cluster_name: str,
-    token_ms: int,
-    addresses: Sequence[str],
-    logfile: str,
-    state_dir: str,
-    realtime: bool = False,
-) -> str:
-    """Fill in the corosync.conf template; every ``@NAME@`` field must be known."""
-    nodelist = "\n".join(
-        f"    node {{\n        nodeid: {i}\n        name: n{i}\n        ring0_addr: {addr}\n    }}"
-        for i, addr in enumerate(addresses, start=1)
-    )
-    fields = {
-        "CLUSTER_NAME": cluster_name,
-        "TOKEN": str(token_ms),
-        "NODELIST": nodelist,
-        "LOGFILE": logfile,
-        "STATE_DIR": state_dir,
-        "SCHED_RR": "yes" if realtime else "no",
-    }
-
-    def substitute(m: re.Match[str]) -> str:
-        try:
-            return fields[m.group(1)]
-        except KeyError:
-            raise DevClusterError(f"unknown field @{m.group(1)}@ in the template") from None
-
-    return re.sub(r"@([A-Z_]+)@", substitute, template)
-
-
-def _proc_state(pid: int) -> str | None:
-    """Kernel state letter of a corosync process (R, S, T, Z, ...), or None if there is none."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-    state = stat[stat.rindex(")") + 2 :].split(" ", 1)[0]
-    return state if comm else None
-
-
-def _pid_alive(pid: int) -> bool:
-    state = _proc_state(pid)
-    return state is not None and state not in ("Z", "X")
-
-
-def _run(argv: Sequence[str], *, check: bool = True, timeout: float = 30.0) -> str:
-    try:
-        res = subprocess.run(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-    except FileNotFoundError as e:
-        raise DevClusterError(f"{argv[0]} is not installed") from e
-    except subprocess.TimeoutExpired as e:
-        raise DevClusterError(f"{' '.join(argv)} did not finish within {timeout} s") from e
-    if check and res.returncode != 0:
-        raise DevClusterError(
-            f"{' '.join(argv)} failed (exit {res.returncode}): {res.stderr.strip()}"
-        )
-    return res.stdout
-
-
-def list_netns() -> list[str]:
-    """Names of all named network namespaces (``ip netns list``)."""
-    ip = find_tool("ip")
-    if ip is None:
-        return []
-    out = _run([ip, "netns", "list"], check=False)
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def netns_pids(netns: str) -> list[int]:
-    ip = find_tool("ip")
-    if ip is None:
-        return []
-    out = _run([ip, "netns", "pids", netns], check=False)
-    return [int(x) for x in out.split() if x.isdigit()]
-
-
-def remove_shm_leftovers(pids: Iterable[int]) -> list[str]:
-    """Delete libqb's /dev/shm files of dead corosyncs (blackbox and per-client IPC rings)."""
-    removed = []
-    for pid in pids:
-        if _pid_alive(pid):
-            continue
-        for pattern in (f"qb-corosync-{pid}-*", f"qb-{pid}-*"):
-            for path in _SHM.glob(pattern):
-                if path.is_dir() and not path.is_symlink():
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    with contextlib.suppress(FileNotFoundError):
-                        path.unlink()
-                removed.append(path.name)
-    return removed
-
-
-def parse_quorumtool(text: str) -> dict[str, Any]:
-    """The fields we use from ``corosync-quorumtool -s -p`` output."""
-    info: dict[str, Any] = {"members": []}
-    in_members = False
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line:
-            continue
-        key, sep, value = line.partition(":")
-        if sep and not in_members:
-            key = key.strip()
-            value = value.strip()
-            if key == "Quorate":
-                info["quorate"] = value.lower().startswith("yes")
-            elif key == "Total votes":
-                info["total_votes"] = int(value.split()[0])
-            elif key == "Expected votes":
-                info["expected_votes"] = int(value.split()[0])
-            elif key == "Ring ID":
-                info["ring_id"] = value
-        if line.startswith("Nodeid") and "Votes" in line:
-            in_members = True
-            continue
-        if in_members:
-            first = line.split()[0]
-            if first.isdigit():
-                info["members"].append(int(first))
-    return info
 
 
 class DevCluster:
@@ -468,11 +309,11 @@ class DevCluster:
         # Anything still inside our namespaces (processes started by `exec`, crashed runs).
         namespaces = [ns for ns in list_netns() if self._owns_netns(ns)]
         for ns in namespaces:
-            for pid in netns_pids(ns):
+            for pid in netns.netns_pids(ns):
                 if pid in (os.getpid(), os.getppid()):
                     continue
                 victims.append(pid)
-                if _proc_comm(pid) == "corosync":
+                if netns.proc_comm(pid) == "corosync":
                     pids.add(pid)
         for pid in victims:
             with contextlib.suppress(ProcessLookupError):
@@ -484,9 +325,8 @@ class DevCluster:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         self.wait_dead(victims, timeout=5.0)
-        ip = find_tool("ip") or "ip"
         for ns in namespaces:
-            _run([ip, "netns", "del", ns], check=False)
+            netns.delete_netns(ns)
         remove_shm_leftovers(pids)
         shutil.rmtree(self.base, ignore_errors=True)
         for node in self.nodes:
@@ -505,30 +345,14 @@ class DevCluster:
         return ns == self.hub_netns or re.fullmatch(node_ns, ns) is not None
 
     def _create_network(self) -> None:
-        ip = find_tool("ip") or "ip"
-        try:
-            _run([ip, "netns", "add", self.hub_netns])
-        except DevClusterError as e:
-            raise DevClusterError(
-                f"cannot create network namespace {self.hub_netns} (needs root with "
-                f"CAP_SYS_ADMIN): {e}"
-            ) from e
-        _run([ip, "-n", self.hub_netns, "link", "set", "lo", "up"])
-        _run([ip, "-n", self.hub_netns, "link", "add", _BRIDGE, "type", "bridge"])
-        _run([ip, "-n", self.hub_netns, "link", "set", _BRIDGE, "up"])
+        netns.add_hub(self.hub_netns)
         for node in self.nodes:
-            port = f"p{node.nodeid}"
-            _run([ip, "netns", "add", node.netns])
-            _run([ip, "-n", node.netns, "link", "set", "lo", "up"])
-            # Both ends are created directly inside their namespaces: no interface ever exists,
-            # even briefly, in the namespace this tool runs in.
-            _run(
-                [ip, "-n", node.netns, "link", "add", _NODE_IFACE, "type", "veth", "peer",
-                 "name", port, "netns", self.hub_netns]
-            )  # fmt: skip
-            _run([ip, "-n", self.hub_netns, "link", "set", port, "master", _BRIDGE, "up"])
-            _run([ip, "-n", node.netns, "addr", "add", f"{node.address}/24", "dev", _NODE_IFACE])
-            _run([ip, "-n", node.netns, "link", "set", _NODE_IFACE, "up"])
+            netns.add_member(self.hub_netns, node.netns, node.address, self._port(node.nodeid))
+
+    @staticmethod
+    def _port(nodeid: int) -> str:
+        """The bridge port in the hub that a node's link is plugged into."""
+        return f"p{nodeid}"
 
     def _write_config(self, node: Node, template: str) -> None:
         d = Path(node.dir)
@@ -576,7 +400,7 @@ class DevCluster:
         if child is not None:
             # poll() also reaps our own children, so they never linger as zombies.
             return child.poll() is None
-        return _pid_alive(pid)
+        return pid_alive(pid)
 
     def wait_dead(self, pids: Iterable[int], timeout: float) -> bool:
         """Whether every process of ``pids`` ended within ``timeout`` seconds."""
@@ -658,17 +482,15 @@ class DevCluster:
 
     def partition(self, nodeid: int) -> None:
         """Cut a node's link: its port leaves the bridge, corosync itself keeps running."""
-        ip = find_tool("ip") or "ip"
         self.record_fault("partition", nodeid)
-        _run([ip, "-n", self.hub_netns, "link", "set", f"p{nodeid}", "nomaster"])
+        netns.cut_link(self.hub_netns, self._port(nodeid))
         self.node(nodeid).partitioned = True
         self._save()
 
     def heal(self, nodeid: int) -> None:
         """Reconnect a partitioned node's link."""
-        ip = find_tool("ip") or "ip"
         self.record_fault("heal", nodeid)
-        _run([ip, "-n", self.hub_netns, "link", "set", f"p{nodeid}", "master", _BRIDGE])
+        netns.join_link(self.hub_netns, self._port(nodeid))
         self.node(nodeid).partitioned = False
         self._save()
 
@@ -680,7 +502,7 @@ class DevCluster:
                 self.heal(node.nodeid)
                 changed = True
             if node.pid is not None and self._alive(node.pid):
-                if node.stopped or _proc_state(node.pid) == "T":
+                if node.stopped or proc_state(node.pid) == "T":
                     self.resume(node.nodeid)
                     changed = True
             else:
@@ -693,7 +515,7 @@ class DevCluster:
 
     def exec_argv(self, nodeid: int, argv: Sequence[str]) -> list[str]:
         """The argv that runs ``argv`` inside a node's network namespace."""
-        return [find_tool("ip") or "ip", "netns", "exec", self.netns(nodeid), *argv]
+        return netns.exec_argv(self.netns(nodeid), argv)
 
     def run_in(
         self, nodeid: int, argv: Sequence[str], **kwargs: Any
@@ -757,7 +579,7 @@ class DevCluster:
         node = self.node(nodeid)
         process = "dead"
         if node.pid is not None and self._alive(node.pid):
-            process = "stopped" if _proc_state(node.pid) == "T" else "running"
+            process = "stopped" if proc_state(node.pid) == "T" else "running"
         info: dict[str, Any] = {}
         if process == "running":
             # A hung corosync makes the tool hang too, hence the short timeout.
@@ -831,13 +653,6 @@ class DevCluster:
         return "\n".join(out) or "  (no log output)"
 
 
-def _proc_comm(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return None
-
-
 def new_test_prefix() -> str:
     """A prefix for a cluster owned by this process (see :func:`cleanup_stale_test_clusters`)."""
     return f"cpgt-{os.getpid()}-{secrets.token_hex(2)}"
@@ -857,7 +672,7 @@ def cleanup_stale_test_clusters(state_dir: Path | str = DEFAULT_STATE_DIR) -> li
     removed = []
     for prefix in sorted(prefixes):
         m = TEST_PREFIX_RE.match(prefix)
-        if m is None or _pid_alive(int(m.group(1))):
+        if m is None or pid_alive(int(m.group(1))):
             continue
         try:
             cluster = DevCluster.load(prefix, state_dir)
@@ -891,275 +706,3 @@ def running_cluster(
         yield cluster
     finally:
         cluster.down()
-
-
-# ---------------------------------------------------------------------- command line
-
-
-def _print_status(cluster: DevCluster, statuses: list[NodeStatus]) -> None:
-    print(
-        f"cluster {cluster.prefix}: {cluster.size} nodes, 10.213.{cluster.subnet}.0/24, "
-        f"token {cluster.token_ms} ms, state {cluster.base}"
-    )
-    print(f"{'node':<5} {'netns':<20} {'address':<15} {'corosync':<16} {'quorate':<8} votes")
-    for s in statuses:
-        proc = f"{s.process} {s.pid}" if s.pid else s.process
-        if s.partitioned:
-            proc += " (cut)"
-        votes = f"{s.total_votes}/{s.expected_votes}" if s.total_votes is not None else "-"
-        quorate = "yes" if s.quorate else "no"
-        print(f"n{s.nodeid:<4} {s.netns:<20} {s.address:<15} {proc:<16} {quorate:<8} {votes}")
-
-
-def _check_ports(base: int, nodes: int, wait: float = 10.0) -> None:
-    """Fail early, and clearly, if a broker port is taken (waiting a little: the brokers of a
-    cluster that was just taken down may still be closing their listeners)."""
-    import socket
-
-    deadline = time.monotonic() + wait
-    for port in [base + i for i in range(nodes)] + [base + 10000 + i for i in range(nodes)]:
-        while True:
-            with socket.socket() as s:
-                # As the broker's listeners do: TIME_WAIT leftovers must not count as in use.
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    s.bind(("127.0.0.1", port))
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise DevClusterError(
-                            f"port {port} on 127.0.0.1 is in use; choose other ports with "
-                            "--base-port"
-                        ) from None
-            time.sleep(0.2)
-
-
-def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--prefix",
-        default=DEFAULT_PREFIX,
-        help=f"name prefix of the cluster's namespaces (default {DEFAULT_PREFIX})",
-    )
-    common.add_argument(
-        "--state-dir",
-        type=Path,
-        default=DEFAULT_STATE_DIR,
-        help=f"where cluster state, configs and logs live (default {DEFAULT_STATE_DIR})",
-    )
-    parser = argparse.ArgumentParser(
-        prog="cpgbroker devcluster",
-        description="A local N-node corosync cluster in network namespaces (needs root).",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", parents=[common], help="create and start the cluster")
-    up.add_argument("--nodes", type=int, default=3, help="number of nodes (default 3)")
-    up.add_argument("--token", type=int, default=DEFAULT_TOKEN_MS, help="totem token timeout in ms")
-    up.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for quorum")
-    up.add_argument(
-        "--realtime",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="run corosync at its default real-time priority (sched_rr: yes). Off by default: "
-        "all nodes share this machine's cores, and real-time corosyncs preempt the brokers "
-        "(without it corosync runs at nice -10)",
-    )
-    up.add_argument("--template", type=Path, help="corosync.conf template")
-    up.add_argument(
-        "--with-brokers",
-        action="store_true",
-        help="also start one cpgbroker member per node, reachable on 127.0.0.1",
-    )
-    up.add_argument(
-        "--checkpoint-every",
-        type=int,
-        metavar="EVENTS",
-        help="the brokers' digest checkpoint interval ([cluster] checkpoint_every; default "
-        "10000): lower for short runs, so that an audit checks the replicas",
-    )
-    up.add_argument(
-        "--base-port",
-        type=int,
-        default=5701,
-        help="AMQP port of node 1's broker (node N: base+N-1; status endpoints base+10000+N-1)",
-    )
-    status = sub.add_parser("status", parents=[common], help="show each node and its quorum")
-    status.add_argument("--json", action="store_true", help="machine-readable output")
-    sub.add_parser("down", parents=[common], help="stop and remove everything")
-    for name, text in (
-        ("kill", "SIGKILL a node's corosync (its broker, if any, then stops by itself)"),
-        ("kill-broker", "SIGKILL only the broker process on a node"),
-        (
-            "start-broker",
-            "start a node's broker again: it joins the serving cluster through a state update",
-        ),
-        ("stop-broker", "stop a node's broker gracefully (its clients get 320)"),
-        ("stop", "SIGSTOP a node's corosync"),
-        ("resume", "SIGCONT a node's corosync"),
-        ("restart", "restart a node's corosync and wait until it rejoined"),
-        ("partition", "cut a node's network link"),
-        ("heal", "reconnect a node's network link"),
-    ):
-        p = sub.add_parser(name, parents=[common], help=text)
-        p.add_argument("node", type=int)
-    ex = sub.add_parser("exec", parents=[common], help="run a command inside a node's namespace")
-    ex.add_argument("node", type=int)
-    ex.add_argument("argv", nargs="*", help="the command; put it after -- if it has options")
-    return parser
-
-
-def main(argv: list[str]) -> int:
-    """``cpgbroker devcluster ...``; errors are printed as one line, never as a traceback."""
-    command: list[str] = []
-    if argv and argv[0] == "exec" and "--" in argv:
-        # Everything after -- is the command, whatever options it has.
-        cut = argv.index("--")
-        argv, command = argv[:cut], argv[cut + 1 :]
-    args = _parser().parse_args(argv)
-    if args.command == "exec":
-        args.argv = list(args.argv) + command
-    try:
-        return _main(args)
-    except DevClusterError as e:
-        print(f"cpgbroker devcluster: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("cpgbroker devcluster: interrupted", file=sys.stderr)
-        return 130
-
-
-def _main(args: argparse.Namespace) -> int:
-    if args.command == "up":
-        cluster = DevCluster(
-            args.nodes,
-            prefix=args.prefix,
-            token_ms=args.token,
-            state_dir=args.state_dir,
-            template=args.template,
-            realtime=args.realtime,
-        )
-        t0 = time.monotonic()
-        if args.with_brokers:
-            _check_ports(args.base_port, args.nodes)
-        cluster.up(timeout=args.timeout)
-        print(
-            f"dev cluster {cluster.prefix} up: {cluster.size} nodes quorate after "
-            f"{time.monotonic() - t0:.1f} s"
-        )
-        _print_status(cluster, cluster.status())
-        if args.with_brokers:
-            from cpgbroker.dev.brokers import BrokerSet
-
-            ports = {
-                n.nodeid: (args.base_port + n.nodeid - 1, args.base_port + 10000 + n.nodeid - 1)
-                for n in cluster.nodes
-            }
-            brokers = BrokerSet(cluster, ports=ports, checkpoint_every=args.checkpoint_every)
-            try:
-                brokers.start_all(timeout=60)
-            except BaseException:
-                cluster.down()
-                raise
-            brokers.save()
-            print(f"brokers ready after {time.monotonic() - t0:.1f} s; AMQP URLs:")
-            for n in cluster.nodes:
-                print(f"  {brokers.url(n.nodeid)}    status: {brokers.admin(n.nodeid)}")
-        return 0
-    if args.command == "down":
-        try:
-            cluster = DevCluster.load(args.prefix, args.state_dir)
-        except DevClusterError:
-            # No state file (e.g. a crashed `up`): still sweep namespaces with this prefix.
-            cluster = DevCluster(1, prefix=args.prefix, state_dir=args.state_dir)
-        problem = check_environment()
-        if problem:
-            raise DevClusterError(problem)
-        cluster.down()
-        print(f"dev cluster {args.prefix} removed")
-        return 0
-    cluster = DevCluster.load(args.prefix, args.state_dir)
-    from cpgbroker.dev.brokers import BrokerSet
-
-    dev_brokers = BrokerSet.load(cluster)
-    if args.command == "status":
-        statuses = cluster.status()
-        broker_status = (
-            {n.nodeid: dev_brokers.status(n.nodeid) for n in cluster.nodes} if dev_brokers else {}
-        )
-        if args.json:
-            nodes = [s.to_json() for s in statuses]
-            if dev_brokers is not None:
-                for entry in nodes:
-                    nid = int(entry["node"])
-                    entry["broker"] = {
-                        "url": dev_brokers.url(nid),
-                        "status_url": dev_brokers.admin(nid),
-                        "status": broker_status.get(nid),
-                    }
-            print(
-                json.dumps(
-                    {
-                        "prefix": cluster.prefix,
-                        "subnet": f"10.213.{cluster.subnet}.0/24",
-                        "token_ms": cluster.token_ms,
-                        "state_dir": str(cluster.base),
-                        "nodes": nodes,
-                    },
-                    indent=2,
-                )
-            )
-        else:
-            _print_status(cluster, statuses)
-            if dev_brokers is not None:
-                print(f"{'node':<5} {'broker':<36} {'state':<10} {'events':>8}  connections")
-                for n in cluster.nodes:
-                    st = broker_status.get(n.nodeid)
-                    url = dev_brokers.url(n.nodeid)
-                    if st is None:
-                        print(f"n{n.nodeid:<4} {url:<36} {'down':<10}")
-                        continue
-                    conns = st.get("connections", {})
-                    print(
-                        f"n{n.nodeid:<4} {url:<36} {st.get('state', '?'):<10} "
-                        f"{st.get('event_seq', 0):>8}  {conns.get('local', 0)} local, "
-                        f"{conns.get('shadow', 0)} shadow"
-                    )
-        return 0
-    if args.command == "kill-broker":
-        if dev_brokers is None:
-            raise DevClusterError("this dev cluster runs no brokers (up --with-brokers)")
-        cluster.record_fault("kill-broker", args.node, url=dev_brokers.url(args.node))
-        dev_brokers.kill(args.node)
-        return 0
-    if args.command == "stop-broker":
-        if dev_brokers is None:
-            raise DevClusterError("this dev cluster runs no brokers (up --with-brokers)")
-        # An orderly shutdown, not a fault: nothing goes to the fault log.
-        dev_brokers.stop(args.node)
-        return 0
-    if args.command == "start-broker":
-        if dev_brokers is None:
-            raise DevClusterError("this dev cluster runs no brokers (up --with-brokers)")
-        if dev_brokers.status(args.node) is not None:
-            raise DevClusterError(f"the broker on node {args.node} is already running")
-        cluster.record_fault("start-broker", args.node, url=dev_brokers.url(args.node))
-        dev_brokers.start(args.node)
-        dev_brokers.save()
-        dev_brokers.wait_ready([args.node], timeout=600)
-        print(f"broker on node {args.node} joined: {dev_brokers.url(args.node)}")
-        return 0
-    if args.command == "exec":
-        cmd = list(args.argv)
-        if not cmd:
-            raise DevClusterError("exec needs a command, e.g. exec 1 -- corosync-cpgtool")
-        return cluster.run_in(args.node, cmd).returncode
-    action = {
-        "kill": cluster.kill,
-        "stop": cluster.stop,
-        "resume": cluster.resume,
-        "restart": cluster.restart,
-        "partition": cluster.partition,
-        "heal": cluster.heal,
-    }[args.command]
-    action(args.node)
-    return 0
