@@ -7,16 +7,12 @@ from __future__ import annotations
 import os
 import shutil
 
-import pytest
+# The one CI rule, shared with the dev-cluster fixtures.
+from cpgbroker.dev.fixtures import unavailable
+
+__all__ = ["ON_CI", "require_spark", "spark_problem", "unavailable"]
 
 ON_CI = os.environ.get("CI", "").lower() == "true"
-
-
-def unavailable(message: str) -> None:
-    """Skip the test (or on CI fail it) because ``message`` says what is missing."""
-    if ON_CI:
-        pytest.fail(message + " (CI=true: a skip would hide this)", pytrace=False)
-    pytest.skip(message)
 
 
 def spark_problem() -> str | None:
