@@ -46,8 +46,8 @@ class Client:
         SOCKETS.extend((ours, self.peer))
         ours.setblocking(False)
         self.peer.setblocking(False)
-        self.lc = LocalConn(node.new_conn_id(), FakeStream(ours), "127.0.0.1:1")  # type: ignore[arg-type]
-        node.local[self.lc.id] = self.lc
+        self.lc = LocalConn(node.io.new_conn_id(), FakeStream(ours), "127.0.0.1:1")  # type: ignore[arg-type]
+        node.io.local[self.lc.id] = self.lc
         self.buf = bytearray()
 
     async def send(self, ch: int, method: Any) -> None:
@@ -105,8 +105,7 @@ async def start(
         try:
             await node.deliver_loop()
         except ClusterError as e:
-            node.failure = str(e)
-            node.failed.set()
+            node.fail(str(e))
             bus.subs.remove(cpg)
             bus.post(
                 ConfChg(
@@ -118,9 +117,9 @@ async def start(
             )
 
     for n, c in zip(nodes, cpgs, strict=True):
-        nursery.start_soon(n.sender)
+        nursery.start_soon(n.multicast.sender)
         nursery.start_soon(deliver, n, c)
-        nursery.start_soon(n.collect_digests)
+        nursery.start_soon(n.checkpoints.collect_digests)
     with trio.fail_after(5):
         for n in nodes:
             await n.ready.wait()

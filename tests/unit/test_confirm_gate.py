@@ -42,7 +42,7 @@ async def test_confirm_waits_for_every_member_and_keeps_the_connection_order() -
         tail = client.methods()[-2:]
         assert isinstance(tail[0], commands.Basic.Ack) and tail[0].delivery_tag == 1
         assert isinstance(tail[1], commands.Channel.OpenOk)
-        assert client.lc.held == [] and not a._holding
+        assert client.lc.held == [] and not a.confirms.holding
         assert b.broker.event_seq >= seq + 1
         nursery.cancel_scope.cancel()
 
@@ -63,7 +63,7 @@ async def test_held_confirm_is_dropped_on_suspend() -> None:
         ms = client.methods()
         assert acks(client) == []
         assert isinstance(ms[-1], commands.Connection.Close) and ms[-1].reply_code == 320
-        assert client.lc.held == [] and not a._holding
+        assert client.lc.held == [] and not a.confirms.holding
         nursery.cancel_scope.cancel()
 
 
@@ -88,7 +88,7 @@ async def test_a_single_member_confirms_at_once_and_plain_output_is_never_held()
         assert client.lc.held == []
         await a.submit(ClientData(client.lc.id, publish_bytes(b"m1")))
         await until(lambda: bool(acks(client)))
-        assert not a._holding
+        assert not a.confirms.holding
         nursery.cancel_scope.cancel()
 
 

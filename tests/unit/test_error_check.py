@@ -98,15 +98,15 @@ async def test_an_error_on_one_member_makes_it_leave_and_the_others_continue_equ
         at = a.broker.event_seq + 5
         c.inject_fault("apply-error", at)
         await traffic(a, client, 20)
-        await until(lambda: c.failed.is_set())
+        await until(lambda: c.failure is not None)
         assert c.failure is not None and "lost to the majority" in c.failure
         await until(lambda: a.broker.event_seq == b.broker.event_seq and confirmed(client) == 20)
         assert len(digests([a, b])) == 1
         for n in (a, b):
-            (r,) = n.rounds
+            (r,) = n.stall.rounds
             assert r.seq == at and r.decision == "ok" and r.losers == (c.member,)
             assert dict(r.outcomes)[c.member].startswith("apply-error: InjectedFault")
-            assert n.stalled is None and not n.error_rounds.pending
+            assert n.stall.stalled is None and not n.stall.votes.pending
         # The client saw nothing: every message is queued, every publish confirmed.
         assert len(a.broker.vhosts["/"].queues["q"].messages) == 20
         nursery.cancel_scope.cancel()
@@ -124,12 +124,12 @@ async def test_the_same_error_on_two_of_three_makes_the_odd_member_leave() -> No
         a.inject_fault("apply-error", at)
         b.inject_fault("apply-error", at)
         await traffic(a, client, 3)
-        await until(lambda: c.failed.is_set())
+        await until(lambda: c.failure is not None)
         assert c.failure is not None and "lost to the majority" in c.failure
         await traffic(b, other, 5)
         await until(lambda: a.broker.event_seq == b.broker.event_seq and confirmed(other) == 5)
         assert len(digests([a, b])) == 1
-        (r,) = a.rounds
+        (r,) = a.stall.rounds
         assert r.losers == (c.member,) and r.decision.startswith("apply-error")
         closes = [m for m in client.methods() if isinstance(m, commands.Connection.Close)]
         assert [m.reply_code for m in closes] == [541]
@@ -157,8 +157,10 @@ async def test_events_delivered_during_the_round_are_applied_in_order_afterwards
         await until(lambda: len({n.broker.event_seq for n in nodes}) == 1)
         assert a.broker.event_seq == at + 10
         assert len(digests(nodes)) == 1
-        assert all(not n.failed.is_set() and len(n.rounds) == 1 for n in nodes)
-        assert a.rounds[0].losers == () and a.rounds[0].decision.startswith("apply-error")
+        assert all(n.failure is None and len(n.stall.rounds) == 1 for n in nodes)
+        assert a.stall.rounds[0].losers == () and a.stall.rounds[0].decision.startswith(
+            "apply-error"
+        )
         nursery.cancel_scope.cancel()
 
 
@@ -171,7 +173,7 @@ async def test_a_member_that_cannot_write_its_event_log_leaves(tmp_path: Path) -
         client = await open_confirm_channel(a)
         at = b.inject_fault("disk-full", a.broker.event_seq + 3)["at_seq"]
         await traffic(a, client, 10)
-        await until(lambda: b.failed.is_set())
+        await until(lambda: b.failure is not None)
         assert b.failure is not None and "store-write" in b.failure
         await until(lambda: confirmed(client) == 10)
         assert len(digests([a, c])) == 1
@@ -309,10 +311,10 @@ async def test_a_held_member_vouches_only_for_the_event_before_the_failed_one() 
         # Delivery to a and b is held back: the round cannot be decided, c stays held.
         cpgs[0].paused = cpgs[1].paused = True
         await traffic(a, client, 1)
-        await until(lambda: c.stalled is not None)
+        await until(lambda: c.stall.stalled is not None)
         assert c.broker.event_seq == at and c.applied_seq() == at - 1
         assert c.stable_seq() <= at - 1
-        report = c._take_report()
+        report = c.report()
         assert report.endswith((at - 1).to_bytes(8, "big")), "progress names the event before"
         nursery.cancel_scope.cancel()
 
@@ -336,17 +338,17 @@ def test_a_member_that_caught_up_past_an_event_the_cluster_failed_takes_a_fresh_
         gone=(),
     )
     node = newcomer(FakeQuorum())
-    node._on_round(failed)
+    node.settle_round(failed)
     assert node.suspended is not None and "rejoining through a state update" in node.suspended
     assert node.discard_state, "its state must not be offered when it rejoins"
 
     with pytest.raises(ClusterError, match="start it again"):
-        newcomer(None)._on_round(failed)
+        newcomer(None).settle_round(failed)
 
     # Its state came from an updater that failed the event alike: nothing to do.
     same = newcomer(FakeQuorum())
-    same._installed_from = (41, m1)
-    same._on_round(failed)
+    same.newcomer.installed_from = (41, m1)
+    same.settle_round(failed)
     assert same.suspended is None and not same.discard_state
 
 
@@ -392,16 +394,16 @@ async def test_updater_children_of_an_ended_incarnation_are_ended_and_reaped() -
         (a,), _ = await start(nursery, 1)
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         # As fork_updater registers a transfer (the process reaps it, not Popen).
-        a.updates[child.pid] = {
-            "incarnation": a.incarnation,
+        a.updater.updates[child.pid] = {
+            "incarnation": a.updater.incarnation,
             "newcomer": 1,
             "pid": child.pid,
             "seq": 0,
             "started": time.monotonic(),
         }
-        nursery.start_soon(reap_updaters, a.updates)
-        a.end_updates()
-        await until(lambda: not a.updates)
+        nursery.start_soon(reap_updaters, a.updater.updates)
+        a.updater.end()
+        await until(lambda: not a.updater.updates)
         with pytest.raises(ProcessLookupError):
             os.kill(child.pid, 0)  # ended and reaped: no zombie left
         child.returncode = -9  # reaped above; keep Popen from waiting on it
@@ -415,8 +417,8 @@ async def test_a_forked_checkpoint_digest_agrees_with_one_computed_inline() -> N
     async with trio.open_nursery() as nursery:
         nodes, _cpgs = await start(nursery, 3, checkpoint_every=25)
         a, b, c = nodes
-        a.digest_fork_messages = 0
-        b.digest_fork_messages = c.digest_fork_messages = 10**9
+        a.checkpoints.digest_fork_messages = 0
+        b.checkpoints.digest_fork_messages = c.checkpoints.digest_fork_messages = 10**9
         client = await open_confirm_channel(b)
         await traffic(b, client, 200)
         await until(lambda: confirmed(client) == 200)
@@ -424,8 +426,8 @@ async def test_a_forked_checkpoint_digest_agrees_with_one_computed_inline() -> N
         for n in nodes:
             last = n.checkpoints.last
             assert last is not None and last.agreed, last
-        assert not a._digesting
-        assert a.forked_digests >= 8 and b.forked_digests == 0
+        assert not a.checkpoints.digesting
+        assert a.checkpoints.forked_digests >= 8 and b.checkpoints.forked_digests == 0
         nursery.cancel_scope.cancel()
 
 

@@ -33,20 +33,20 @@ async def test_a_burst_past_max_lag_does_not_stall_the_cluster() -> None:
     a, b = nodes
     async with trio.open_nursery() as nursery:
         for n in nodes:
-            nursery.start_soon(n.sender)
+            nursery.start_soon(n.multicast.sender)
             nursery.start_soon(n.deliver_loop)
         with trio.fail_after(5):
             for n in nodes:
                 await n.ready.wait()
-        conn = a.new_conn_id()
+        conn = a.io.new_conn_id()
         await a.submit(ClientConnected(conn, a.member, "x:1", True))
         # Far more small reads than max_lag, all queued before any is delivered.
         for i in range(500):
             await a.submit(ClientData(conn, HEARTBEAT if i else PROTOCOL_HEADER))
-        other = b.new_conn_id()
+        other = b.io.new_conn_id()
         await b.submit(ClientConnected(other, b.member, "y:1", True))
         with trio.fail_after(10):
-            while other not in a.broker.connections or a._out or b._out:
+            while other not in a.broker.connections or a.multicast.queued or b.multicast.queued:
                 await trio.sleep(0.01)
         assert a.broker.event_seq == b.broker.event_seq
         nursery.cancel_scope.cancel()

@@ -9,6 +9,7 @@ from typing import Any
 
 import trio
 
+from cpgbroker.cluster.merge import Partitions
 from cpgbroker.corosync.events import (
     ConfChg,
     Member,
@@ -54,7 +55,7 @@ async def test_frozen_member_suspends_before_applying_the_others_departure() -> 
     a = nodes[0]
     async with trio.open_nursery() as nursery:
         for n in nodes:
-            nursery.start_soon(n.sender)
+            nursery.start_soon(n.multicast.sender)
             nursery.start_soon(n.deliver_loop)
         with trio.fail_after(5):
             for n in nodes:
@@ -80,16 +81,15 @@ async def test_frozen_member_suspends_before_applying_the_others_departure() -> 
 
 
 def test_merge_scan_follows_the_ring_changes_members() -> None:
-    cfg = ServerConfig(cluster=ClusterConfig(group="g", size=3))
-    node = ClusterNode(cfg, FakeCpg(Bus(), 2), member_id(2, 1000))  # type: ignore[arg-type]
-    node.membership.on_confchg([member_id(n, 1000) for n in (1, 2, 3)], [], [])
+    partitions = Partitions()
+    members = [member_id(n, 1000) for n in (1, 2, 3)]
     # The majority side {2, 3} sees member 1 come back: it wins, nothing to suspend for.
     batch: list[Any] = [
         confchg((1, 2, 3), left=(), joined=(1,)),
         PartitionMerge(b"g", (Member(1, 1000),), ()),
         TotemConfChg(RingId(1, 99), (1, 2, 3)),
     ]
-    assert node._merge_lost(batch, 0) is None
+    assert partitions.lost_in(batch, 0, members) is None
     # Seen from member 2 frozen alone: it loses to {1, 3}.
     batch = [
         confchg((2,), left=(1, 3), joined=()),
@@ -97,4 +97,4 @@ def test_merge_scan_follows_the_ring_changes_members() -> None:
         PartitionMerge(b"g", (Member(1, 1000), Member(3, 1000)), ()),
         TotemConfChg(RingId(1, 99), (1, 2, 3)),
     ]
-    assert node._merge_lost(batch, 0) == [member_id(1, 1000), member_id(3, 1000)]
+    assert partitions.lost_in(batch, 0, members) == [member_id(1, 1000), member_id(3, 1000)]

@@ -12,6 +12,7 @@ import trio
 from pamqp import commands
 
 from cpgbroker.cluster import codec
+from cpgbroker.cluster import progress as progress_mod
 from cpgbroker.corosync.events import Deliver
 from cpgbroker.model.events import ClientData, DoOutput
 from cpgbroker.runtime import member as member_mod
@@ -90,7 +91,7 @@ async def test_input_goes_out_at_once_when_idle_and_is_batched_while_in_flight()
 
 async def test_the_consumers_member_reports_on_its_ack(monkeypatch: pytest.MonkeyPatch) -> None:
     # Long enough that only the ack can carry the report within this test.
-    monkeypatch.setattr(member_mod, "REPORT_RIDE_WAIT", 30.0)
+    monkeypatch.setattr(progress_mod, "REPORT_RIDE_WAIT", 30.0)
     async with trio.open_nursery() as nursery:
         b, publisher, cons, sent = await publish_to_consumer(nursery)
         await trio.sleep(0.05)
@@ -106,7 +107,7 @@ async def test_the_consumers_member_reports_on_its_ack(monkeypatch: pytest.Monke
 
 
 async def test_a_report_goes_alone_when_no_answer_comes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(member_mod, "REPORT_RIDE_WAIT", 0.2)
+    monkeypatch.setattr(progress_mod, "REPORT_RIDE_WAIT", 0.2)
     async with trio.open_nursery() as nursery:
         _b, publisher, _cons, sent = await publish_to_consumer(nursery)
         t0 = trio.current_time()  # just after the delivery, when member 2 began to wait
@@ -119,7 +120,7 @@ async def test_a_report_goes_alone_when_no_answer_comes(monkeypatch: pytest.Monk
 
 
 async def test_a_member_without_clients_reports_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(member_mod, "REPORT_RIDE_WAIT", 30.0)
+    monkeypatch.setattr(progress_mod, "REPORT_RIDE_WAIT", 30.0)
     async with trio.open_nursery() as nursery:
         (a, _b, _c), cpgs = await start(nursery, 3)
         publisher = await open_confirm_channel(a)

@@ -24,10 +24,20 @@ from cpgbroker.cluster.quorum import (
     decide,
     ring_change,
 )
+from cpgbroker.corosync.events import ConfChg, MemberChange, Reason
 from cpgbroker.model.events import ClusterMembers, Tick
 
 DIGEST = b"d" * 32
-NODEDOWN, NODEUP, JOIN, LEAVE = 3, 4, 1, 2
+NODEDOWN, NODEUP, JOIN, LEAVE = Reason.NODEDOWN, Reason.NODEUP, Reason.JOIN, Reason.LEAVE
+
+
+def change(*reasons: Reason) -> ConfChg:
+    """A configuration change with one member changing for each reason: those that went
+    (LEAVE, NODEDOWN) left, the others joined."""
+    ch = [MemberChange(n, 100 + n, r) for n, r in enumerate(reasons, 1)]
+    left = tuple(c for c in ch if c.reason in (LEAVE, NODEDOWN))
+    joined = tuple(c for c in ch if c not in left)
+    return ConfChg(b"g", tuple(c.member for c in joined), left, joined)
 
 
 def test_the_quorum_notification_after_a_nodelist_is_that_rings_verdict() -> None:
@@ -69,11 +79,12 @@ def test_verdict_history_is_bounded() -> None:
 
 
 def test_only_ring_changes_are_held_and_only_a_quorate_verdict_serves() -> None:
-    assert ring_change([NODEDOWN], NODEDOWN, NODEUP)
-    assert ring_change([JOIN, NODEUP], NODEDOWN, NODEUP)
-    assert not ring_change([JOIN], NODEDOWN, NODEUP)
-    assert not ring_change([LEAVE], NODEDOWN, NODEUP)
-    assert not ring_change([], NODEDOWN, NODEUP)
+    assert ring_change(change(NODEDOWN))
+    assert ring_change(change(JOIN, NODEUP))
+    assert ring_change(change(LEAVE, NODEUP))
+    assert not ring_change(change(JOIN))
+    assert not ring_change(change(LEAVE))
+    assert not ring_change(change())
     assert decide(None) == HOLD and decide(True) == SERVE and decide(False) == STOP
 
 

@@ -84,6 +84,11 @@ class ResumeState:
 Action = SendHello | BecomeReady | ApplyToModel | NeedUpdate | Fatal | ResumeState
 
 
+def member_id(nodeid: int, pid: int) -> int:
+    """Unique among live members: corosync identifies a group member by (nodeid, pid)."""
+    return (nodeid << 22) | (pid & 0x3FFFFF)
+
+
 @attrs.define(eq=False)
 class MemberInfo:
     member: int
@@ -135,6 +140,12 @@ class Membership:
         self.members.setdefault(self.me, MemberInfo(self.me, STATUS_NEW, self.url))
         self.joined = True
         self.state = READY
+
+    def forget(self, members: list[int]) -> None:
+        """Members that came back from the other side of a partition we won: not members
+        (they are ignored until CPG reports them gone)."""
+        for m in members:
+            self.members.pop(m, None)
 
     def urls(self) -> tuple[str, ...]:
         return tuple(

@@ -32,8 +32,13 @@ from __future__ import annotations
 
 import attrs
 
+from cpgbroker.corosync.events import ConfChg, Reason
+
 # Verdicts kept: far more ring changes than can be waiting in one member's CPG backlog.
 MAX_VERDICTS = 64
+
+# Why a member left or joined when a ring change (not the process) caused it.
+_RING_REASONS = (Reason.NODEDOWN, Reason.NODEUP)
 
 RingKey = tuple[int, int]  # (representative nodeid, ring seq) of a totem ring id
 
@@ -75,10 +80,11 @@ class QuorumView:
         return None
 
 
-def ring_change(reasons: list[int], nodedown: int, nodeup: int) -> bool:
-    """Whether a CPG ``ConfChg`` with these join/leave reasons comes from a totem ring change
-    (then a ``TotemConfChg`` naming the new ring follows it)."""
-    return any(r in (nodedown, nodeup) for r in reasons)
+def ring_change(ev: ConfChg) -> bool:
+    """Whether a CPG ``ConfChg`` comes from a totem ring change (a member left or joined
+    because a node went down or came up): then a ``TotemConfChg`` naming the new ring
+    follows it."""
+    return any(c.reason in _RING_REASONS for c in (*ev.left, *ev.joined))
 
 
 SERVE = "serve"

@@ -17,6 +17,8 @@ from typing import Any
 
 import trio
 
+from cpgbroker.cluster.codec import STATUS_NAMES
+from cpgbroker.cluster.membership import member_id
 from cpgbroker.corosync.cpg import tune_malloc
 from cpgbroker.errors import ClusterError, CpgError
 from cpgbroker.model.broker import Broker
@@ -27,11 +29,11 @@ from cpgbroker.runtime.member import (
     RESYNC_TEXT,
     SUSPEND_GRACE,
     ClusterNode,
-    member_id,
 )
 from cpgbroker.runtime.quorum_trio import TrioQuorum, open_quorum
 from cpgbroker.runtime.server import (
     forced_close_frame,
+    model_status,
     open_listeners,
     wait_for_signal,
 )
@@ -98,13 +100,13 @@ class MemberProcess:
         # (model, ring seq) kept from an incarnation that served until quorum was lost.
         self.kept: tuple[Broker, int] | None = None
         self.watchdog: Any = None
-        # Updater children of every incarnation (see ClusterNode.updates), reaped here.
+        # Updater children of every incarnation (see runtime/updater.py), reaped here.
         self.updates: dict[int, dict[str, Any]] = {}
 
     def status(self, with_digest: bool = False) -> dict[str, Any]:
         node = self.node
         if node is not None and node.suspended is None:
-            out = node.status(with_digest)
+            out = member_status(node, with_digest)
         else:
             out = {
                 "member": None if node is None else node.member,
@@ -114,7 +116,10 @@ class MemberProcess:
                 "event_seq": None,
                 "members": [],
                 # A suspended member's clients linger until they read connection.close.
-                "connections": {"local": 0 if node is None else len(node.local), "shadow": 0},
+                "connections": {
+                    "local": 0 if node is None else len(node.io.local),
+                    "shadow": 0,
+                },
                 "queues": {},
                 "quorum": self.quorum.status(),
             }
@@ -170,13 +175,7 @@ class MemberProcess:
             self.refused += 1
             await refuse(stream, NOT_QUORATE_TEXT if not self.quorum.quorate else RESYNC_TEXT)
             return
-        with trio.CancelScope() as scope:
-            key = id(scope)
-            node.client_scopes[key] = scope
-            try:
-                await node.handle(stream)
-            finally:
-                del node.client_scopes[key]
+        await node.io.handle(stream)
 
     async def run(
         self, task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED
@@ -305,18 +304,18 @@ class MemberProcess:
                         try:
                             await fn()
                         except (ClusterError, CpgError) as e:
-                            node.failure = str(e)
+                            node.fail(str(e))
                             nursery.cancel_scope.cancel()
 
                     update_listeners = await open_update_listeners(
                         cluster.update_listen, cluster.url
                     )
-                    node.update_address = listener_address(update_listeners[0])
-                    nursery.start_soon(trio.serve_listeners, node.update_handler, update_listeners)
-                    nursery.start_soon(guarded, node.sender)
-                    nursery.start_soon(guarded, node.deliver_loop)
-                    nursery.start_soon(guarded, node.catch_up)
-                    nursery.start_soon(guarded, node.collect_digests)
+                    node.newcomer.address = listener_address(update_listeners[0])
+                    nursery.start_soon(
+                        trio.serve_listeners, node.newcomer.handler, update_listeners
+                    )
+                    for task in node.guarded_tasks():
+                        nursery.start_soon(guarded, task)
                     nursery.start_soon(node.cluster_ticker)
                     activity = -1
                     while not node.ready.is_set():
@@ -324,8 +323,8 @@ class MemberProcess:
                             await node.ready.wait()
                         if node.ready.is_set() or nursery.cancel_scope.cancel_called:
                             break
-                        if node.update_activity() != activity:
-                            activity = node.update_activity()  # an update progresses: wait on
+                        if node.newcomer.activity() != activity:
+                            activity = node.newcomer.activity()  # an update progresses: wait on
                             continue
                         if node.kept is not None:
                             # Leaving would throw away what may be the cluster's only copy of
@@ -338,10 +337,10 @@ class MemberProcess:
                                 len(node.membership.members),
                             )
                             continue
-                        node.failure = (
+                        node.fail(
                             f"the cluster did not become ready within "
                             f"{cluster.ready_timeout:.0f} s (expected {cluster.size} members, "
-                            f"have {len(node.membership.members)}, state {node._state_name()})"
+                            f"have {len(node.membership.members)}, state {node.state_name()})"
                         )
                         nursery.cancel_scope.cancel()
                         await trio.lowlevel.checkpoint()
@@ -364,19 +363,19 @@ class MemberProcess:
                             self.stop.set()
                         else:
                             log.info("stopping member=%s", me)
-                            await node.shutdown_clients(config.shutdown_grace)
+                            await node.io.shutdown_clients(config.shutdown_grace)
                         nursery.cancel_scope.cancel()
             finally:
                 unregister()
-                node.end_updates()
-                self.conn_counter = node._conn_counter
+                node.updater.end()
+                self.conn_counter = node.io.conn_counter
                 node.close()
             if node.failure is not None:
                 log.error("leaving the cluster: %s", node.failure)
                 # Our clients must fail over: tell them why, then drop them. The other members
                 # see us leave through CPG and close our clients' shadows at that point.
                 frame = forced_close_frame("member left the cluster: " + node.failure[:150])
-                for lc in list(node.local.values()):
+                for lc in list(node.io.local.values()):
                     with (
                         trio.move_on_after(1),
                         contextlib.suppress(
@@ -390,36 +389,76 @@ class MemberProcess:
                 raise ClusterError(node.failure)
             if node.halted is not None:
                 with trio.move_on_after(config.shutdown_grace):
-                    while node.local:  # clients read their connection.close and go
+                    while node.io.local:  # clients read their connection.close and go
                         await trio.sleep(0.02)
-                for scope in list(node.client_scopes.values()):
-                    scope.cancel()
+                node.io.cancel_clients()
             if node.suspended is not None:
                 self.phase = "suspended"
                 self.last_suspension = node.suspended
-                if node.discard_state:
-                    self.kept = None  # the serving members' state replaces ours
-                elif node.ready.is_set() and node._ring is not None:
-                    # Offered when rejoining, used only if nobody kept serving meanwhile.
-                    self.kept = (node.broker, node._ring.seq)
-                else:
-                    # Suspended before serving: still what it was offered with, unless a
-                    # serving member was seen meanwhile (then that member's state replaces it,
-                    # and offering the old one again could resume stale state).
-                    self.kept = node.kept
+                # Offered when rejoining, used only if nobody kept serving meanwhile.
+                self.kept = node.state_to_keep()
                 # Leaving the group (closing the handle, below) is what lets the quorate side
                 # forget this incarnation; its clients get a moment to read connection.close.
                 with trio.move_on_after(SUSPEND_GRACE):
-                    while node.local:
+                    while node.io.local:
                         await trio.sleep(0.02)
-                for scope in list(node.client_scopes.values()):
-                    scope.cancel()
+                node.io.cancel_clients()
         return served
 
     async def _accept(self, listeners: list[trio.SocketListener], outer: trio.Nursery) -> None:
         await trio.serve_listeners(self.handle_client, listeners, handler_nursery=outer)
 
     bound: list[tuple[str, int]] = []
+
+
+def member_status(node: ClusterNode, with_digest: bool) -> dict[str, Any]:
+    """What ``cpgbroker status`` shows of a member that serves (or is getting ready to)."""
+    b = node.broker
+    local_conns = node.io.local
+    local = sum(1 for c in b.connections if c in local_conns)
+    last = node.checkpoints.last
+    cpg = node.multicast.cpg
+    out = model_status(b, len(local_conns), with_digest)
+    out.update(
+        {
+            "member": node.member,
+            "url": node.membership.url,
+            "state": node.state_name(),
+            "clock_master": node.membership.clock_master,
+            "members": [
+                {
+                    "member": m,
+                    "url": i.url,
+                    "status": STATUS_NAMES.get(i.status, "unknown")
+                    if i.status is not None
+                    else "unknown",
+                }
+                for m, i in node.membership.members.items()
+            ],
+            "connections": {"local": local, "shadow": len(b.connections) - local},
+            "checkpoint": None
+            if last is None
+            else {"seq": last.seq, "digest": last.winner.hex(), "agreed": last.agreed},
+            "cpg": {
+                "in_flight": cpg.in_flight,
+                "sent": cpg.stats.sent,
+                "delivered": cpg.stats.delivered,
+                "wakeups": cpg.stats.wakeups,
+            },
+            "lag": {"events_behind": node.lag(), "held_back": node.multicast.lag_waits},
+            "update": node.newcomer.status(),
+            "updating": node.updater.status(),
+            "quorum": None if node.quorum is None else node.quorum.status(),
+        }
+    )
+    if node.suspended is not None:
+        out["suspended"] = node.suspended
+    out["error_checks"] = node.stall.status()
+    if node.eventlog.faults:
+        out["injected_faults"] = dict(node.eventlog.faults)
+    if node.stops.halted is not None:
+        out["stopping"] = {"scope": node.stops.scope, "seq": node.stops.halted}
+    return out
 
 
 async def _first_of(*events: trio.Event) -> None:

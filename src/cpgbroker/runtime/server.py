@@ -1,9 +1,13 @@
 """The trio runtime: TCP listeners, one reader and one writer task per client, the ticker, and
 the sequencer that feeds ordered events to the model.
 
-Standalone, the sequencer is trivial: an event is applied the moment it is submitted (trio runs
-one task at a time, so submissions are already totally ordered). A cluster member replaces it
-with the CPG sequencer (multicast, apply on delivery); the rest of this module does not change.
+A :class:`Node` does client I/O only: it is *given* the sequencer its events go to and, in a
+cluster, the confirm gate its confirms wait in. Standalone, the sequencer is trivial
+(:class:`LocalSequencer`): an event is applied the moment it is submitted (trio runs one task at
+a time, so submissions are already totally ordered). A cluster member gives it the CPG
+multicaster (``runtime/multicast.py``: the event is applied when CPG delivers it back, and the
+member hands the effects to :meth:`Node.execute`) and its confirm gate
+(``runtime/confirms.py``); nothing here changes.
 
 Flow control, end to end:
 * Reading: a connection's reader submits what it reads and reads again; while the model has
@@ -20,7 +24,8 @@ import logging
 import os
 import signal
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import trio
 
@@ -57,6 +62,13 @@ CREDIT_START = 64
 CREDIT_MAX = 4096
 # Bytes of deliveries one grant may produce: bounds what a slow client makes us buffer.
 GRANT_BYTES = 1024 * 1024
+# After the last output of a closed connection (connection.close-ok, or our connection.close),
+# how long we go on reading and discarding what the client still sends before closing the
+# socket. A client may have written frames after its connection.close (publishes queued
+# behind it): closing a socket with unread input sends a reset, which makes the client's
+# writes fail and can destroy the close-ok still unread in its receive buffer. RabbitMQ
+# reads on until the client closes; a client that never does is cut after this long.
+CLOSE_LINGER = 1.0
 
 
 class LocalConn:
@@ -67,6 +79,7 @@ class LocalConn:
         "closing",
         "credit",
         "credit_back",
+        "eof",
         "fd",
         "held",
         "id",
@@ -97,6 +110,8 @@ class LocalConn:
         self.close_reason = ""
         # The model already forgot this connection (it closed it): no deliver-close needed.
         self.model_closed = False
+        # The client closed its side, or the socket broke: nothing more to read or write.
+        self.eof = False
         # Bytes written since the last do-output grant: sizes the next grant.
         self.written = 0
         # Reads submitted but not yet applied (a cluster member waits for its own events to
@@ -107,52 +122,98 @@ class LocalConn:
         # The writer task is inside send_all: only it may write until it is done.
         self.sending = False
         # Output waiting, in order, for its event to become stable (cluster members only):
-        # (seq it waits for or 0, bytes, or None and a close reason for a held close).
+        # (seq it waits for or 0, bytes, or None and a close reason for a held close). Only
+        # the confirm gate changes it; the node tests it.
         self.held: list[tuple[int, bytes | None, str]] = []
 
 
+class Sequencer(Protocol):
+    """Where a node's events go. ``deferred``: they take effect later (multicast, applied on
+    delivery), so the node counts each connection's reads in flight (:data:`READ_CREDIT`)."""
+
+    deferred: bool
+
+    def submit(self, ev: Event) -> Awaitable[None]: ...
+
+
+class ConfirmGate(Protocol):
+    """Holds a connection's output from a confirm on until its event is stable (a cluster
+    member's ``runtime/confirms.py``); standalone there is none, and confirms go out at once."""
+
+    def hold(self, lc: LocalConn, eff: Send) -> None: ...
+
+    def hold_close(self, lc: LocalConn, reason: str) -> None: ...
+
+
+class LocalSequencer:
+    """The standalone sequencer: apply at once, in submission order."""
+
+    deferred = False
+
+    def __init__(self, broker: Broker, execute: Callable[[list[Effect]], None]) -> None:
+        self.broker = broker
+        self._apply = broker.apply
+        self._execute = execute
+
+    async def submit(self, ev: Event) -> None:
+        self._execute(self._apply(ev))
+
+
 class Node:
-    """Owns the broker model and executes its effects for this process's connections."""
+    """Client I/O of this process: accepts connections, reads what clients send and hands it to
+    the sequencer, and executes the model's effects for its own connections (writes, closes,
+    do-output, throttling). Owns the local connections; never applies an event itself."""
 
-    # Whether confirms wait in ``hold`` (a cluster member) or go out at once (standalone:
-    # an applied event is final).
-    gate_confirms = False
-
-    def __init__(self, config: ServerConfig, member: int = 0) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        member: int = 0,
+        *,
+        sequencer: Sequencer | None = None,
+        gate: ConfirmGate | None = None,
+        conn_counter: int = 0,
+    ) -> None:
         self.config = config
         self.member = member
-        self.broker = Broker(config.broker)
         self.local: dict[int, LocalConn] = {}
-        self._conn_counter = 0
+        # Connection ids stay unique when the same process rejoins with the same member id.
+        self.conn_counter = conn_counter
         self._last_tick = 0
         self.all_closed = trio.Event()
         self.all_closed.set()
         # A local client was handed output since the cluster layer last looked: its answer
         # (an ack for a delivery, the next command after a reply) is probably on its way.
         self.answer_expected = False
-
-    # -- the standalone sequencer: apply at once, in submission order
-    async def submit(self, ev: Event) -> None:
-        self.apply(ev)
-
-    def apply(self, ev: Event) -> None:
-        self.execute(self.broker.apply(ev))
+        # Every client handler's cancel scope: the member process cancels what is left of
+        # them when an incarnation ends.
+        self.client_scopes: dict[int, trio.CancelScope] = {}
+        self.standalone: LocalSequencer | None = None
+        if sequencer is None:
+            sequencer = self.standalone = LocalSequencer(Broker(config.broker), self.execute)
+        self.submit = sequencer.submit
+        self._count_reads = sequencer.deferred
+        self._gate = gate
+        # Bound once: called per confirm while the gate is on.
+        self._hold = None if gate is None else gate.hold
 
     def new_conn_id(self) -> int:
         # Unique across a cluster: the member id in the high bits, a counter below.
-        self._conn_counter += 1
-        return conn_id(self.member, self._conn_counter)
+        self.conn_counter += 1
+        return conn_id(self.member, self.conn_counter)
 
     def execute(self, effects: list[Effect]) -> None:
         local = self.local
+        hold = self._hold
         for eff in effects:
             lc = local.get(eff.conn)
             if lc is None:
                 continue  # a shadow connection: its owner writes its output
             t = type(eff)
             if t is Send:
-                if lc.held or (eff.confirm and self.gate_confirms):  # type: ignore[union-attr]
-                    self.hold(lc, eff)  # type: ignore[arg-type]
+                if hold is not None and (lc.held or eff.confirm):  # type: ignore[union-attr]
+                    # A confirm waits until its event is stable; anything after it for the
+                    # same connection waits behind it.
+                    hold(lc, eff)  # type: ignore[arg-type]
                     continue
                 self.write(lc, eff.data)  # type: ignore[union-attr]
                 self.answer_expected = True
@@ -163,20 +224,28 @@ class Node:
                 lc.model_closed = True
                 if lc.held:
                     # After the held output, like every close: whole frames, in order.
-                    lc.held.append((0, None, eff.reason))  # type: ignore[union-attr]
+                    assert self._gate is not None
+                    self._gate.hold_close(lc, eff.reason)  # type: ignore[union-attr]
                     continue
-                lc.closing = True
-                lc.close_reason = eff.reason  # type: ignore[union-attr]
-                lc.wake.set()
+                self.begin_close(lc, eff.reason)  # type: ignore[union-attr]
             elif t is Throttle:
                 lc.paused = eff.paused  # type: ignore[union-attr]
                 if not lc.paused:
                     lc.resume.set()
                     lc.resume = trio.Event()
 
-    def hold(self, lc: LocalConn, eff: Send) -> None:
-        """Output that waits for its event to be stable (see ``gate_confirms``)."""
-        self.write(lc, eff.data)
+    def begin_close(self, lc: LocalConn, reason: str) -> None:
+        """The writer closes ``lc`` once what is queued for it is written."""
+        lc.closing = True
+        lc.close_reason = reason
+        lc.wake.set()
+
+    def read_done(self, conn: int) -> None:
+        """A read of local connection ``conn`` came back from the sequencer: one more may go."""
+        lc = self.local.get(conn)
+        if lc is not None:
+            lc.inflight -= 1
+            lc.credit_back.set()
 
     def write(self, lc: LocalConn, data: bytes) -> None:
         """Write now rather than one scheduling round later: the socket is non-blocking, and
@@ -215,12 +284,24 @@ class Node:
         self.local[lc.id] = lc
         self.all_closed = trio.Event()
         log.info("connection accepted conn=%s peer=%s", lc.id, peer)
+        with trio.CancelScope() as scope:
+            key = id(scope)
+            self.client_scopes[key] = scope
+            try:
+                await self._serve(lc, loopback)
+            finally:
+                del self.client_scopes[key]
+
+    async def _serve(self, lc: LocalConn, loopback: bool) -> None:
+        stream = lc.stream
         try:
-            await self.submit(ClientConnected(lc.id, self.member, peer, loopback))
+            await self.submit(ClientConnected(lc.id, self.member, lc.peer, loopback))
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._reader, lc, nursery.cancel_scope)
                 await self._writer(lc)
                 nursery.cancel_scope.cancel()
+            if lc.closing and not lc.eof:
+                await _linger(stream)
         finally:
             with trio.CancelScope(shield=True):
                 if not lc.model_closed:
@@ -233,11 +314,12 @@ class Node:
             log.info(
                 "connection closed conn=%s peer=%s reason=%r",
                 lc.id,
-                peer,
+                lc.peer,
                 lc.close_reason or "client closed the socket",
             )
 
     async def _reader(self, lc: LocalConn, scope: trio.CancelScope) -> None:
+        count = self._count_reads
         try:
             while True:
                 if lc.paused:
@@ -250,12 +332,15 @@ class Node:
                 data = await lc.stream.receive_some(RECV_SIZE)
                 if not data:
                     break
+                if count:
+                    lc.inflight += 1  # until the sequencer hands it back (``read_done``)
                 await self.submit(ClientData(lc.id, data))
                 if lc.model_closed:
                     return
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         # The client closed (or broke) its side: deliver-close, and stop the writer.
+        lc.eof = True
         if not lc.model_closed:
             lc.model_closed = True
             lc.close_reason = lc.close_reason or "client closed the socket"
@@ -294,6 +379,7 @@ class Node:
                 lc.wake = trio.Event()
                 await lc.wake.wait()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
+            lc.eof = True
             lc.close_reason = lc.close_reason or "socket write failed"
             return
 
@@ -305,23 +391,26 @@ class Node:
             await self.submit(Tick(self.now_ms()))
 
     def status(self, with_digest: bool = False) -> dict[str, Any]:
-        b = self.broker
-        return {
-            "digest": snapshot.digest(b) if with_digest else None,
-            "member": None,
-            "state": "standalone",
-            "connections": {"local": len(self.local), "shadow": 0},
-            "queues": {
-                f"{vh.name}:{q.name}": {
-                    "ready": len(q.messages),
-                    "unacked": q.unacked,
-                    "consumers": len(q.consumers),
-                }
-                for vh in b.vhosts.values()
-                for q in vh.queues.values()
-            },
-            "event_seq": b.event_seq,
-        }
+        assert self.standalone is not None, "a cluster member's status is the member's"
+        return model_status(self.standalone.broker, len(self.local), with_digest)
+
+    def force_close(self, client_text: str, reason: str) -> None:
+        """connection.close 320 to every local client after the output already queued for it
+        (whole frames), without the model: the member no longer applies events. Output held
+        for stability is dropped."""
+        frame = forced_close_frame(client_text)
+        for lc in self.local.values():
+            lc.held.clear()
+            if not lc.closing:
+                lc.out += frame
+            lc.closing = True
+            lc.model_closed = True
+            lc.close_reason = lc.close_reason or reason
+            lc.wake.set()
+
+    def cancel_clients(self) -> None:
+        for scope in list(self.client_scopes.values()):
+            scope.cancel()
 
     async def close_all(self, code: int, text: str) -> None:
         for cid in list(self.local):
@@ -333,6 +422,38 @@ class Node:
         await self.close_all(int(ReplyCode.CONNECTION_FORCED), "broker shutdown")
         with trio.move_on_after(grace):
             await self.all_closed.wait()
+
+
+async def _linger(stream: trio.SocketStream) -> None:
+    """The connection is closed and its last output written: tell the client (end of stream)
+    and read and discard what it still sends until it closes, at most CLOSE_LINGER seconds."""
+    with trio.move_on_after(CLOSE_LINGER):
+        try:
+            await stream.send_eof()
+            while await stream.receive_some(RECV_SIZE):
+                pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+            pass
+
+
+def model_status(broker: Broker, local: int, with_digest: bool) -> dict[str, Any]:
+    """What ``cpgbroker status`` shows of a model; a cluster member adds its own fields."""
+    return {
+        "digest": snapshot.digest(broker) if with_digest else None,
+        "member": None,
+        "state": "standalone",
+        "connections": {"local": local, "shadow": 0},
+        "queues": {
+            f"{vh.name}:{q.name}": {
+                "ready": len(q.messages),
+                "unacked": q.unacked,
+                "consumers": len(q.consumers),
+            }
+            for vh in broker.vhosts.values()
+            for q in vh.queues.values()
+        },
+        "event_seq": broker.event_seq,
+    }
 
 
 def forced_close_frame(text: str) -> bytes:

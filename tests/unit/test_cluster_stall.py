@@ -1,0 +1,85 @@
+"""One member's side of error-check rounds (cluster/stall.py, pure): stalling at a failed
+event, answering and owing answers, and settling decided rounds."""
+
+from __future__ import annotations
+
+from cpgbroker.cluster.codec import OK, ErrorCheck
+from cpgbroker.cluster.errorcheck import Round
+from cpgbroker.cluster.stall import Answer, Decided, Leave, Proceed, Resync, Stall
+
+ME, A, B = 1, 2, 3
+READY = [ME, A, B]
+
+
+def test_a_stalled_member_vouches_for_the_event_before_and_keeps_what_follows() -> None:
+    s = Stall(ME)
+    assert s.applied(10) == 10
+    assert s.fail(11, "apply-error: KeyError", "ev11", A) == Answer(11, "apply-error: KeyError")
+    assert s.applied(11) == 10
+    s.hold("ev12", A)
+    s.hold("ev13", B)
+    assert s.next_kept() is None, "nothing is applied while stalled"
+    assert s.status()["held_at"] == 11
+
+
+def test_answers_ok_at_once_or_owes_them_until_replayed() -> None:
+    s = Stall(ME)
+    s.fail(20, "store-write: ENOSPC", "ev20", A)
+    # A later round (the others failed at 25): this member has not applied 25 yet.
+    assert s.on_error_check(ErrorCheck(A, 25, "apply-error: X"), READY, None) == []
+    assert s.owed == [25]
+    # An earlier round: it applied that event, so it answers at once.
+    assert s.on_error_check(ErrorCheck(B, 15, "apply-error: Y"), READY, None) == [Answer(15, OK)]
+    assert s.pay_owed(24) == []
+    assert s.pay_owed(25) == [Answer(25, OK)] and s.owed == []
+
+
+def test_a_stopped_member_does_not_answer_for_events_after_its_stop_point() -> None:
+    s = Stall(ME)
+    assert s.on_error_check(ErrorCheck(A, 30, "apply-error: X"), READY, halted=29) == []
+    assert not s.votes.pending
+
+
+def test_a_round_decided_against_this_member_makes_it_leave() -> None:
+    s = Stall(ME)
+    s.fail(40, "apply-error: X", "ev40", A)
+    assert s.on_error_check(ErrorCheck(ME, 40, "apply-error: X"), READY, None) == []
+    assert s.on_error_check(ErrorCheck(A, 40, OK), READY, None) == []
+    (decided,) = s.on_error_check(ErrorCheck(B, 40, OK), READY, None)
+    assert isinstance(decided, Decided) and decided.round.losers == (ME,)
+    assert list(s.rounds) == [decided.round]
+    (leave,) = s.settle(decided.round, False, None)
+    assert isinstance(leave, Leave) and "lost to the majority" in leave.reason
+
+
+def test_the_majority_failing_alike_lets_the_stalled_member_proceed_and_replay() -> None:
+    s = Stall(ME)
+    s.fail(50, "apply-error: X", "ev50", A)
+    s.hold("ev51", B)
+    s.on_error_check(ErrorCheck(ME, 50, "apply-error: X"), READY, None)
+    s.on_error_check(ErrorCheck(A, 50, "apply-error: X"), READY, None)
+    (decided,) = s.on_error_check(ErrorCheck(B, 50, OK), READY, None)
+    assert isinstance(decided, Decided)
+    assert s.settle(decided.round, False, None) == [Proceed("apply-error: X", "ev50", A)]
+    assert s.stalled is None
+    assert s.next_kept() == ("ev51", B) and s.next_kept() is None
+
+
+def test_a_member_not_asked_resyncs_unless_its_state_came_from_a_failing_updater() -> None:
+    failed = Round(60, ((A, "apply-error: X"), (B, "apply-error: X")), "apply-error: X", (), ())
+    (r,) = Stall(ME).settle(failed, False, None)
+    assert isinstance(r, Resync) and "catching up" in r.reason
+    # Its state is from before the event: it applied the failed event itself.
+    assert isinstance(Stall(ME).settle(failed, False, (59, A))[0], Resync)
+    # From an updater that had failed the event alike (after it): nothing to do.
+    assert Stall(ME).settle(failed, False, (61, A)) == []
+    # A stopped member does not serve on: nothing to do either.
+    assert Stall(ME).settle(failed, True, None) == []
+
+
+def test_a_voter_that_leaves_no_longer_counts() -> None:
+    s = Stall(ME)
+    assert s.on_error_check(ErrorCheck(A, 70, "apply-error: X"), READY, None) == [Answer(70, OK)]
+    assert s.on_error_check(ErrorCheck(ME, 70, OK), READY, None) == []
+    (decided,) = s.members_left([B])
+    assert decided.round.gone == (B,) and decided.round.seq == 70
