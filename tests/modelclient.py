@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
+from unittest import mock
 
 from pamqp import body as pbody
 from pamqp import commands, frame, header, heartbeat
@@ -22,6 +23,14 @@ from cpgbroker.model.events import (
     WantOutput,
 )
 from cpgbroker.wire.framer import PROTOCOL_HEADER
+
+
+def marshal_unchecked(channel: int, cls: type, **kwargs: Any) -> bytes:
+    """A method frame pamqp would refuse to build: its ``validate()`` holds queue and exchange
+    names to a pattern stricter than RabbitMQ's (no '=', no non-ASCII, at most 127 characters),
+    and real clients (pika, aio-pika) send such names anyway."""
+    with mock.patch.object(cls, "validate", lambda self: None):
+        return bytes(frame.marshal(cls(**kwargs), channel))
 
 
 class Harness:
@@ -71,6 +80,16 @@ class Client:
 
     def send(self, ch: int, method: Any) -> None:
         self.send_raw(frame.marshal(method, ch))
+
+    def send_unchecked(self, ch: int, cls: type, **kwargs: Any) -> None:
+        """Send a method whose names pamqp would refuse to encode (see marshal_unchecked)."""
+        self.send_raw(marshal_unchecked(ch, cls, **kwargs))
+
+    def rpc_unchecked(self, ch: int, cls: type, **kwargs: Any) -> Any:
+        self.send_unchecked(ch, cls, **kwargs)
+        ms = self.methods()
+        assert ms, f"no reply to {cls.__name__}"
+        return ms[-1]
 
     def disconnect(self) -> None:
         self.h.apply(ClientDisconnected(self.conn))

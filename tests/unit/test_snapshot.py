@@ -6,6 +6,7 @@ fails here (unless it is listed in ``NOT_REPLICATED`` as deliberately local or d
 from __future__ import annotations
 
 import collections
+import inspect
 from typing import Any
 
 import attrs
@@ -14,29 +15,76 @@ import pytest
 from cpgbroker.errors import InvariantError
 from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker, VHost
+from cpgbroker.model.channel import Channels
+from cpgbroker.model.confirms import Confirms
+from cpgbroker.model.connection import Connections
+from cpgbroker.model.consumers import Consumers
+from cpgbroker.model.delivery import Delivery
 from cpgbroker.model.entities import (
     Channel,
     Connection,
     Consumer,
     Entry,
     Message,
+    PendingPublish,
     PriorityMessages,
     Queue,
+    TxAck,
+    TxNack,
+    TxPublish,
 )
 from cpgbroker.model.exchange import Binding, Exchange
+from cpgbroker.model.memory import MemoryMark
+from cpgbroker.model.output import Clock, Output
+from cpgbroker.model.topology import Topology
+from cpgbroker.model.transactions import Transactions
+from cpgbroker.wire.fastpath import HeaderInfo
 from cpgbroker.wire.framer import FrameReader
 from modelclient import Harness
 from workload import generate
 
-ENTITIES = (Channel, Connection, Consumer, Entry, Message, Queue, Exchange, Binding, VHost)
-# Broker attributes that are configuration (equal by construction), transient between events,
-# or replica-local statistics.
-BROKER_LOCAL = {"config", "users", "_effects", "_dirty", "shadow_confirms"}
+ENTITIES = (
+    Channel,
+    Connection,
+    Consumer,
+    Entry,
+    Message,
+    Queue,
+    Exchange,
+    Binding,
+    VHost,
+    PendingPublish,
+    TxPublish,
+    TxAck,
+    TxNack,
+    HeaderInfo,
+)
+# The broker and its components: every attribute of each is compared too (references between
+# components and their bound methods included), so a component that grows state the snapshot
+# does not carry fails here.
+COMPONENTS = (
+    Broker,
+    Clock,
+    Output,
+    MemoryMark,
+    Topology,
+    Confirms,
+    Delivery,
+    Consumers,
+    Transactions,
+    Channels,
+    Connections,
+)
+# Component attributes that are transient between events or replica-local statistics
+# (configuration is compared: equal by construction).
+LOCAL = {"Output": {"_effects", "dirty", "shadow_confirms"}}
 
 
 def _fields(obj: Any) -> list[str]:
     if attrs.has(type(obj)):
         return [a.name for a in attrs.fields(type(obj))]
+    if hasattr(obj, "__dict__"):
+        return list(vars(obj))
     return list(type(obj).__slots__)
 
 
@@ -44,15 +92,20 @@ def same(a: Any, b: Any, path: str, seen: dict[tuple[int, int], None]) -> None:
     """Structural equality; entities are compared field by field (once per pair, so the
     object graph's cycles terminate)."""
     assert type(a) is type(b), f"{path}: {type(a).__name__} vs {type(b).__name__}"
-    if isinstance(a, ENTITIES):
+    if isinstance(a, ENTITIES + COMPONENTS):
         key = (id(a), id(b))
         if key in seen:
             return
         seen[key] = None
-        skip = S.NOT_REPLICATED.get(type(a).__name__, set())
+        name = type(a).__name__
+        skip = S.NOT_REPLICATED.get(name, set()) | LOCAL.get(name, set())
         for f in _fields(a):
             if f not in skip:
                 same(getattr(a, f), getattr(b, f), f"{path}.{f}", seen)
+    elif inspect.ismethod(a):
+        # A collaborator's bound method: the same function of the corresponding component.
+        assert a.__func__ is b.__func__, f"{path}: {a.__qualname__} vs {b.__qualname__}"
+        same(a.__self__, b.__self__, f"{path}.__self__", seen)
     elif isinstance(a, PriorityMessages):
         assert a.count == b.count, f"{path}: count {a.count} vs {b.count}"
         same(a.bands, b.bands, f"{path}.bands", seen)
@@ -71,10 +124,11 @@ def same(a: Any, b: Any, path: str, seen: dict[tuple[int, int], None]) -> None:
 
 
 def assert_indistinguishable(a: Broker, b: Broker) -> None:
-    seen: dict[tuple[int, int], None] = {}
-    for f in vars(a):
-        if f not in BROKER_LOCAL:
-            same(getattr(a, f), getattr(b, f), f"broker.{f}", seen)
+    same(a, b, "broker", {})
+    # Reached through the components above; named here too so that a refactoring that
+    # unwired one from the broker cannot skip it silently.
+    for f in ("now_ms", "event_seq", "msg_seq", "queued_bytes", "blocked", "member_urls"):
+        assert getattr(a, f) == getattr(b, f), f"broker.{f}"
 
 
 def _replay(seed: int, steps: int) -> Broker:

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from cpgbroker.wire.fastpath import header_priority
+from cpgbroker.wire.fastpath import HeaderInfo, header_priority
 from cpgbroker.wire.framer import FrameReader
 
 
@@ -239,6 +239,84 @@ class Consumer:
         self.priority = int(args.get("x-priority", 0))
 
 
+def detach_unacked(c: Consumer) -> None:
+    """A consumer goes away (cancel, channel close, queue delete): its unacked deliveries
+    stay on the channel but no longer count against it, so a later consumer reusing the
+    tag is not charged (and snapshots, which name consumers by tag, stay exact)."""
+    if c.unacked:
+        ch = c.channel
+        for tag, (dq, e, dc) in ch.unacked.items():
+            if dc is c:
+                ch.unacked[tag] = (dq, e, None)
+        c.unacked = 0
+
+
+# One unacked delivery on a channel: (queue, entry, consumer or None for basic.get). A plain
+# tuple on purpose: one is made per delivery, and a tuple costs a quarter of a slotted
+# instance there (the per-message path is what every replica pays for every client).
+Unacked = tuple["Queue", Entry, "Consumer | None"]
+
+
+class PendingPublish:
+    """A basic.publish whose content is still arriving on its channel. One is made per
+    publish, so a plain slotted class whose constructor takes only what basic.publish
+    carries (cheaper than attrs' generated one with every field, on the per-message path)."""
+
+    __slots__ = ("exchange", "header", "info", "mandatory", "parts", "remaining", "routing_key")
+
+    def __init__(self, exchange: str, routing_key: str, mandatory: bool) -> None:
+        self.exchange = exchange
+        self.routing_key = routing_key
+        self.mandatory = mandatory
+        # The client's content-header payload (None until the header frame came) and what the
+        # broker read from it.
+        self.header: bytes | None = None
+        self.info: HeaderInfo | None = None
+        # Body bytes still to come, and the body frames so far when the body spans several
+        # (None until a second frame is due: most bodies come in one frame, and need no list).
+        self.remaining = 0
+        self.parts: list[bytes] | None = None
+
+
+@attrs.define(slots=True, eq=False)
+class TxPublish:
+    """A publish held by a transaction until tx.commit routes it."""
+
+    msg: Message
+    mandatory: bool
+
+
+@attrs.define(slots=True, eq=False)
+class TxAck:
+    """A basic.ack held by a transaction."""
+
+    tag: int
+    multiple: bool
+
+
+@attrs.define(slots=True, eq=False)
+class TxNack:
+    """A basic.nack, or a basic.reject (``multiple`` false), held by a transaction. Both
+    settle as a nack at commit, as they always did (and snapshots name both "nack")."""
+
+    tag: int
+    multiple: bool
+    requeue: bool
+
+
+TxOp = TxPublish | TxAck | TxNack
+
+
+@attrs.frozen
+class QueueBinding:
+    """One binding of a queue, as the queue remembers it (the exchange holds the routing
+    side): what deleting the queue must undo. Made per queue.bind, off the hot path."""
+
+    exchange: str
+    routing_key: str
+    arguments: dict[str, Any]
+
+
 @attrs.define(eq=False)
 class Queue:
     name: str
@@ -275,8 +353,8 @@ class Queue:
     had_consumers: bool = False
     last_used_ms: int = 0
     deleted: bool = False
-    # (exchange name, routing key, arguments) of every binding, for cleanup on delete.
-    bindings: list[tuple[str, str, dict[str, Any]]] = attrs.Factory(list)
+    # Every binding of the queue, for cleanup on delete.
+    bindings: list[QueueBinding] = attrs.Factory(list)
 
 
 @attrs.define(eq=False)
@@ -290,7 +368,7 @@ class Channel:
     next_tag: int = 0
     # delivery tag -> (queue, entry, consumer or None for basic.get); tags only grow, so the
     # dict's insertion order is tag order, which multiple-acks and requeue rely on.
-    unacked: dict[int, tuple[Queue, Entry, Consumer | None]] = attrs.Factory(dict)
+    unacked: dict[int, Unacked] = attrs.Factory(dict)
     consumers: dict[str, Consumer] = attrs.Factory(dict)
     confirm: bool = False
     publish_seq: int = 0
@@ -298,12 +376,11 @@ class Channel:
     confirm_pending: int = 0
     confirm_sent: int = 0
     tx: bool = False
-    tx_ops: list[tuple[Any, ...]] = attrs.Factory(list)
+    tx_ops: list[TxOp] = attrs.Factory(list)
     # The last queue declared on this channel: what an empty queue name refers to.
     last_queue: str = ""
-    # A publish whose content is still arriving: [exchange, routing key, mandatory,
-    # header payload or None, remaining body bytes, body parts].
-    pending: list[Any] | None = None
+    # A publish whose content is still arriving.
+    pending: PendingPublish | None = None
 
 
 # Connection states, in handshake order.

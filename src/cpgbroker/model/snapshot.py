@@ -11,8 +11,15 @@ What is *not* in a snapshot: whether a connection is this replica's own (``emit`
 yet flushed (always empty between events), caches derived from other state (topic routes), and
 the broker's ``shadow_confirms`` count (a replica-local statistic: only its changes matter).
 Every other field is: the Qpid cluster's bug history is mostly "this field was not transferred",
-so ``tests/unit/test_snapshot.py`` checks that every attribute of every entity is either
-snapshotted or listed here as derived.
+so ``tests/unit/test_snapshot.py`` checks that every attribute of every entity (and of the
+broker's components) is either snapshotted or listed here as derived.
+
+Snapshot and restore go through the model's public surface only: the broker's public
+counters and components (``Broker.topology.ttl_queues``, ``Broker.restore_counters``,
+``Topology.restore``, ``Connections.restore``) and the entities, never a private attribute,
+so the model's components can change inside without this module following them. The
+encoding is format 2 byte for byte (``tests/unit/test_replay_fixture.py`` replays a recorded
+log against digests taken before the model was split into components).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from typing import Any
 
 from cpgbroker.errors import InvariantError
 from cpgbroker.model import entities as E
-from cpgbroker.model.broker import Broker, VHost
+from cpgbroker.model.broker import Broker
 from cpgbroker.model.config import BrokerConfig
 from cpgbroker.model.entities import (
     Channel,
@@ -35,10 +42,17 @@ from cpgbroker.model.entities import (
     Consumer,
     Entry,
     Message,
+    PendingPublish,
     Queue,
+    QueueBinding,
+    TxAck,
+    TxNack,
+    TxOp,
+    TxPublish,
     ready_messages,
 )
 from cpgbroker.model.exchange import Exchange
+from cpgbroker.model.topology import VHost
 from cpgbroker.wire import fastpath as fp
 from cpgbroker.wire.framer import FrameReader
 
@@ -201,9 +215,10 @@ def parts(b: Broker, chunk: int = CHUNK) -> Iterator[Any]:
                 qref(q)
             for k in ch.consumers.values():
                 qref(k.queue)
-    for q in b._ttl_queues.values():
+    topology = b.topology
+    for q in topology.ttl_queues.values():
         qref(q)
-    for q in b._expiring.values():
+    for q in topology.expiring.values():
         qref(q)
 
     sent: dict[int, None] = {}  # ids of messages already in an earlier part
@@ -255,8 +270,8 @@ def parts(b: Broker, chunk: int = CHUNK) -> Iterator[Any]:
     yield [
         "tail",
         {
-            "ttl_queues": [qref(q) for q in b._ttl_queues.values()],
-            "expiring": [qref(q) for q in b._expiring.values()],
+            "ttl_queues": [qref(q) for q in topology.ttl_queues.values()],
+            "expiring": [qref(q) for q in topology.expiring.values()],
             "queue_consumers": [
                 [[c.channel.conn.id, c.channel.id, c.tag] for c in q.consumers] for q in queues
             ],
@@ -324,7 +339,7 @@ def _queue(q: Queue) -> dict[str, Any]:
         "had_consumers": q.had_consumers,
         "last_used_ms": q.last_used_ms,
         "deleted": q.deleted,
-        "bindings": [list(bd) for bd in q.bindings],
+        "bindings": [[bd.exchange, bd.routing_key, bd.arguments] for bd in q.bindings],
     }
 
 
@@ -361,15 +376,17 @@ def _connection(c: Connection, qref: Any, entry: Any) -> dict[str, Any]:
 
 def _channel(ch: Channel, qref: Any, entry: Any) -> dict[str, Any]:
     pending = None
-    if ch.pending is not None:
-        exchange, rk, mandatory, header, remaining, parts = ch.pending[:6]
-        pending = [exchange, rk, mandatory, header, remaining, list(parts)]
-    tx_ops: list[Any] = []
-    for op in ch.tx_ops:
-        if op[0] == "publish":
-            tx_ops.append(["publish", _message(op[1]), op[2]])
-        else:
-            tx_ops.append(list(op))
+    p = ch.pending
+    if p is not None:
+        pending = [
+            p.exchange,
+            p.routing_key,
+            p.mandatory,
+            p.header,
+            p.remaining,
+            [] if p.parts is None else list(p.parts),
+        ]
+    tx_ops = [_tx_op(op) for op in ch.tx_ops]
     return {
         "id": ch.id,
         "closing": ch.closing,
@@ -404,6 +421,26 @@ def _channel(ch: Channel, qref: Any, entry: Any) -> dict[str, Any]:
     }
 
 
+def _tx_op(op: TxOp) -> list[Any]:
+    # The tags of format 2, written before tx operations were typed records.
+    if isinstance(op, TxPublish):
+        return ["publish", _message(op.msg), op.mandatory]
+    if isinstance(op, TxAck):
+        return ["ack", op.tag, op.multiple]
+    return ["nack", op.tag, op.multiple, op.requeue]
+
+
+def _restore_tx_op(raw: list[Any]) -> TxOp:
+    kind = raw[0]
+    if kind == "publish":
+        return TxPublish(_restore_message(raw[1]), raw[2])
+    if kind == "ack":
+        return TxAck(raw[1], raw[2])
+    if kind == "nack":
+        return TxNack(raw[1], raw[2], raw[3])
+    raise InvariantError(f"unknown tx operation {kind!r} in snapshot")
+
+
 def digest_bytes(b: Broker) -> bytes:
     """SHA-256 over the encoded parts: equal on replicas exactly when state is equal. Streams
     part by part, so it never holds an encoding of the whole state."""
@@ -435,8 +472,8 @@ class Restorer:
 
     def __init__(self, config: BrokerConfig | None = None) -> None:
         self.b = Broker(config)
-        self.b.vhosts = {}
         self.head: dict[str, Any] | None = None
+        self.vhosts: list[VHost] = []
         self.queues: list[Queue] = []
         self.msgs: dict[int, Message] = {}
         self.consumers: dict[tuple[int, int, str], Consumer] = {}
@@ -484,22 +521,24 @@ class Restorer:
         for q, keys in zip(queues, self.tail["queue_consumers"], strict=True):
             q.consumers = [self.consumers[(k[0], k[1], k[2])] for k in keys]
             q.ranked_consumers = sum(1 for c in q.consumers if c.priority)
-        b._ttl_queues = {
-            (queues[i].vhost, queues[i].name): queues[i] for i in self.tail["ttl_queues"]
-        }
-        b._expiring = {(queues[i].vhost, queues[i].name): queues[i] for i in self.tail["expiring"]}
+        b.topology.restore(
+            self.vhosts,
+            tuple(self.head["member_urls"]),
+            [queues[i] for i in self.tail["ttl_queues"]],
+            [queues[i] for i in self.tail["expiring"]],
+        )
         _check(b)
         return b
 
     # -- parts
     def _head(self, h: dict[str, Any]) -> None:
-        b = self.b
-        b.now_ms = h["now_ms"]
-        b.event_seq = h["event_seq"]
-        b.msg_seq = h["msg_seq"]
-        b.queued_bytes = h["queued_bytes"]
-        b.blocked = h["blocked"]
-        b.member_urls = tuple(h["member_urls"])
+        self.b.restore_counters(
+            now_ms=h["now_ms"],
+            event_seq=h["event_seq"],
+            msg_seq=h["msg_seq"],
+            queued_bytes=h["queued_bytes"],
+            blocked=h["blocked"],
+        )
         self.head = h
 
     def _messages(self, rows: list[Any]) -> None:
@@ -536,7 +575,7 @@ class Restorer:
                 had_consumers=qd["had_consumers"],
                 last_used_ms=qd["last_used_ms"],
                 deleted=qd["deleted"],
-                bindings=[(x[0], x[1], x[2]) for x in qd["bindings"]],
+                bindings=[QueueBinding(x[0], x[1], x[2]) for x in qd["bindings"]],
                 # Per priority for x-max-priority: entries then go back to their bands.
                 messages=ready_messages(qd["arguments"]),
             )
@@ -563,7 +602,7 @@ class Restorer:
                 ex.bind(queues[dest] if kind == "q" else vh.exchanges[dest], key, args)
         for qi in vd["queues"]:
             vh.queues[queues[qi].name] = queues[qi]
-        self.b.vhosts[vh.name] = vh
+        self.vhosts.append(vh)
 
     def _connection(self, cd: dict[str, Any]) -> None:
         queues = self.queues
@@ -632,18 +671,17 @@ class Restorer:
                     None if ctag is None else ch.consumers.get(ctag),
                 )
             self.messages += len(chd["unacked"])
-            for op in chd["tx_ops"]:
-                if op[0] == "publish":
-                    ch.tx_ops.append(("publish", _restore_message(op[1]), op[2]))
-                else:
-                    ch.tx_ops.append(tuple(op))
+            ch.tx_ops.extend(_restore_tx_op(op) for op in chd["tx_ops"])
             if chd["pending"] is not None:
-                p = list(chd["pending"])
-                if p[3] is not None:
-                    p.append(fp.parse_content_header(p[3]))
-                ch.pending = p
+                exchange, rk, mandatory, header, remaining, parts = chd["pending"]
+                pend = ch.pending = PendingPublish(exchange, rk, mandatory)
+                if header is not None:
+                    pend.header = header
+                    pend.info = fp.parse_content_header(header)
+                pend.remaining = remaining
+                pend.parts = list(parts) or None
             conn.channels[ch.id] = ch
-        self.b.connections[conn.id] = conn
+        self.b.conns.restore(conn)
 
 
 def _restore_message(m: list[Any]) -> Message:

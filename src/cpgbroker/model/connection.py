@@ -1,0 +1,541 @@
+"""The connection protocol: the handshake, frames, and connections opening and closing.
+
+Theory of operation
+-------------------
+:class:`Connections` is the only writer of the broker's ``connections`` dict (the broker
+creates the dict, so the components that only read it can be given it first). It owns:
+
+* the handshake state machine (``Connection.state``: protocol header, start-ok, tune-ok,
+  open, then OPEN; CLOSING after we sent connection.close; CLOSED), with the handshake and
+  close timeouts that ticks check, and heartbeats;
+* cutting a client's bytes into frames (the connection's :class:`FrameReader`) and routing
+  each frame: ``basic.publish`` and ``basic.ack`` on an open channel straight to their fast
+  handlers (delivery, consumers), content frames to delivery, channel 0 to the connection
+  class here, every other method to the channel protocol (``channel.py``);
+* the one boundary where a client's error becomes a close (``on_data``): a channel error
+  closes its channel, a connection error the connection, a frame error the socket at once
+  (frame boundaries are lost). Errors are handled per frame, so how TCP chunked a client's
+  bytes never changes the outcome;
+* giving back what a closing connection holds (its channels' deliveries, its exclusive
+  queues).
+
+It never routes or delivers a message itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pamqp import commands, decode
+
+from cpgbroker.errors import (
+    AMQPError,
+    ChannelError,
+    ConnectionError_,
+    FrameError,
+    InvariantError,
+    ReplyCode,
+)
+from cpgbroker.model.channel import CONNECTION_CLASS, Channels, decode_method, method_name
+from cpgbroker.model.config import BrokerConfig
+from cpgbroker.model.confirms import Confirms
+from cpgbroker.model.consumers import Consumers
+from cpgbroker.model.delivery import Delivery
+
+# Connection states as module names: compared per frame, and a global is one lookup less.
+from cpgbroker.model.entities import (
+    AWAIT_HEADER,
+    AWAIT_OPEN,
+    AWAIT_START_OK,
+    AWAIT_TUNE_OK,
+    CLOSED,
+    CLOSING,
+    OPEN,
+    Connection,
+)
+from cpgbroker.model.events import ClientConnected
+from cpgbroker.model.memory import MemoryMark
+from cpgbroker.model.output import Clock, Output
+from cpgbroker.model.topology import Topology
+from cpgbroker.wire.fastpath import BASIC_ACK, BASIC_PUBLISH, method_index
+from cpgbroker.wire.framer import (
+    FRAME_BODY,
+    FRAME_HEADER,
+    FRAME_HEARTBEAT,
+    FRAME_METHOD,
+    FRAME_MIN_SIZE,
+    HEARTBEAT_FRAME,
+    PROTOCOL_HEADER,
+    FrameReader,
+)
+
+R = ReplyCode
+
+_M = commands
+IDX_CONNECTION_START_OK = _M.Connection.StartOk.index
+IDX_CONNECTION_TUNE_OK = _M.Connection.TuneOk.index
+IDX_CONNECTION_OPEN = _M.Connection.Open.index
+IDX_CONNECTION_CLOSE = _M.Connection.Close.index
+IDX_CONNECTION_CLOSE_OK = _M.Connection.CloseOk.index
+IDX_CONNECTION_UPDATE_SECRET = _M.Connection.UpdateSecret.index
+
+# The method each handshake state waits for.
+_EXPECTED = {
+    AWAIT_START_OK: IDX_CONNECTION_START_OK,
+    AWAIT_TUNE_OK: IDX_CONNECTION_TUNE_OK,
+    AWAIT_OPEN: IDX_CONNECTION_OPEN,
+}
+
+# How long (ms of cluster time) a connection we closed may take to answer close-ok.
+CLOSE_TIMEOUT_MS = 3000
+# How long a client may take from TCP connect to connection.open (RabbitMQ: 10 s).
+HANDSHAKE_TIMEOUT_MS = 10000
+
+SERVER_CAPABILITIES = {
+    "publisher_confirms": True,
+    "exchange_exchange_bindings": True,
+    "basic.nack": True,
+    "consumer_cancel_notify": True,
+    "connection.blocked": True,
+    "consumer_priorities": False,
+    "authentication_failure_close": True,
+    "per_consumer_qos": True,
+    "direct_reply_to": False,
+}
+
+
+def mark_closing(conn: Connection) -> None:
+    """Every channel of ``conn`` is going: none may be handed what another gives back."""
+    for ch in conn.channels.values():
+        ch.closing = True
+
+
+class Connections:
+    __slots__ = (
+        "_basic_ack",
+        "_basic_publish",
+        "_channel_error",
+        "_channel_method",
+        "_channels",
+        "_clock",
+        "_config",
+        "_content_body",
+        "_content_header",
+        "_flush_confirms",
+        "_mark",
+        "_out",
+        "_send_method",
+        "_topology",
+        "_users",
+        "connections",
+    )
+
+    def __init__(
+        self,
+        config: BrokerConfig,
+        connections: dict[int, Connection],
+        clock: Clock,
+        out: Output,
+        mark: MemoryMark,
+        topology: Topology,
+        delivery: Delivery,
+        consumers: Consumers,
+        confirms: Confirms,
+        channels: Channels,
+    ) -> None:
+        self._config = config
+        self._users = {u.name: u for u in config.users}
+        self.connections = connections
+        self._clock = clock
+        self._out = out
+        self._mark = mark
+        self._topology = topology
+        self._channels = channels
+        # Bound once: the per-frame routes.
+        self._send_method = out.send_method
+        self._basic_publish = delivery.basic_publish
+        self._content_header = delivery.content_header
+        self._content_body = delivery.content_body
+        self._basic_ack = consumers.basic_ack
+        self._channel_method = channels.channel_method
+        self._channel_error = channels.channel_error
+        self._flush_confirms = confirms.flush
+
+    # ------------------------------------------------------------------ opening
+
+    def on_connected(self, ev: ClientConnected) -> None:
+        if ev.conn in self.connections:
+            raise InvariantError(f"connection {ev.conn} opened twice")
+        now = self._clock.now_ms
+        conn = Connection(
+            id=ev.conn,
+            member=ev.member,
+            peer=ev.peer,
+            loopback=ev.loopback,
+            reader=FrameReader(self._config.frame_max),
+            last_rx_ms=now,
+            last_tx_ms=now,
+            close_deadline=now + HANDSHAKE_TIMEOUT_MS,
+        )
+        self.connections[ev.conn] = conn
+
+    def restore(self, conn: Connection) -> None:
+        """Install a connection restored from a snapshot (``snapshot.Restorer``)."""
+        if conn.id in self.connections:
+            raise InvariantError(f"connection {conn.id} restored twice")
+        self.connections[conn.id] = conn
+
+    # ------------------------------------------------------------------ bytes and frames
+
+    def on_data(self, conn_id: int, data: bytes) -> None:
+        conn = self.connections.get(conn_id)
+        if conn is None or conn.state == CLOSED:
+            return
+        conn.last_rx_ms = self._clock.now_ms
+        if conn.state == AWAIT_HEADER:
+            buf = conn.header_buf + data
+            if len(buf) < 8:
+                if not PROTOCOL_HEADER.startswith(buf):
+                    self._bad_header(conn)
+                else:
+                    conn.header_buf = buf
+                return
+            if buf[:8] != PROTOCOL_HEADER:
+                self._bad_header(conn)
+                return
+            conn.header_buf = b""
+            self._send_start(conn)
+            conn.state = AWAIT_START_OK
+            data = buf[8:]
+            if not data:
+                return
+        reader = conn.reader
+        reader.feed(data)
+        # Errors are handled per frame, so the outcome never depends on how the client's bytes
+        # were chunked into events (a property test checks this).
+        f: tuple[int, int, bytes] | None = None
+        while True:
+            try:
+                f = reader.next_frame()
+                if f is None:
+                    break
+                self._on_frame(conn, f[0], f[1], f[2])
+            except ChannelError as e:
+                self._channel_error(conn, f[1] if f else 0, e)
+            except FrameError as e:
+                # Frame boundaries are lost: nothing after this can be parsed, so close now.
+                self.connection_error(conn, e)
+                self.drop(conn, f"frame error: {e.text}", notify=True)
+                return
+            except ConnectionError_ as e:
+                self.connection_error(conn, e)
+            if conn.state == CLOSED:
+                return
+        if conn.confirm_dirty:
+            self._flush_confirms(conn)
+
+    def _on_frame(self, conn: Connection, ftype: int, ch: int, payload: bytes) -> None:
+        if ftype == FRAME_METHOD:
+            if len(payload) < 4:
+                raise ConnectionError_(R.FRAME_ERROR, "method frame shorter than 4 bytes")
+            index = method_index(payload)
+            if conn.state == OPEN and ch != 0:
+                channel = conn.channels.get(ch)
+                if channel is not None and not channel.closing and channel.pending is None:
+                    if index == BASIC_PUBLISH:
+                        self._basic_publish(conn, channel, payload)
+                        return
+                    if index == BASIC_ACK:
+                        self._basic_ack(channel, payload)
+                        return
+                self._channel_method(conn, ch, index, payload)
+                return
+            if ch == 0:
+                self._connection_method(conn, index, payload)
+                return
+            if conn.state == CLOSING:
+                return
+            raise ConnectionError_(
+                R.CHANNEL_ERROR if conn.state == OPEN else R.COMMAND_INVALID,
+                f"unexpected {method_name(index)} on channel {ch} before connection.open",
+            )
+        if ftype == FRAME_HEARTBEAT:
+            if ch != 0:
+                raise FrameError(f"heartbeat frame on channel {ch}")
+            return
+        if conn.state != OPEN:
+            if conn.state == CLOSING:
+                return
+            raise ConnectionError_(R.UNEXPECTED_FRAME, "content frame before connection.open")
+        channel = conn.channels.get(ch)
+        if channel is None:
+            raise ConnectionError_(R.CHANNEL_ERROR, f"content frame on unopened channel {ch}")
+        if channel.closing:
+            return
+        if ftype == FRAME_HEADER:
+            self._content_header(conn, channel, payload)
+        elif ftype == FRAME_BODY:
+            self._content_body(conn, channel, payload)
+
+    def _bad_header(self, conn: Connection) -> None:
+        # Spec 4.2.2: answer a bad protocol header with our own header, then close.
+        self._out.emit(conn, PROTOCOL_HEADER)
+        self.drop(conn, "bad AMQP protocol header", notify=True)
+
+    # ------------------------------------------------------------------ connection class
+
+    def _connection_method(self, conn: Connection, index: int, payload: bytes) -> None:
+        state = conn.state
+        if state == CLOSING:
+            if index == IDX_CONNECTION_CLOSE_OK:
+                self.drop(conn, "connection closed", notify=True)
+            elif index == IDX_CONNECTION_CLOSE:
+                self._send_method(conn, 0, commands.Connection.CloseOk())
+                self.drop(conn, "connection closed", notify=True)
+            return
+        if index >> 16 != CONNECTION_CLASS:
+            raise ConnectionError_(
+                R.COMMAND_INVALID,
+                f"{method_name(index)} is not allowed on channel 0",
+                class_id=index >> 16,
+                method_id=index & 0xFFFF,
+            )
+        m = decode_method(payload, index)
+        if index == IDX_CONNECTION_CLOSE:
+            self._release(conn)
+            self._send_method(conn, 0, commands.Connection.CloseOk())
+            self.drop(conn, "client closed the connection", notify=True)
+            return
+        if index == IDX_CONNECTION_UPDATE_SECRET and state == OPEN:
+            # RabbitMQ extension (10.70): users here have no expiring credentials, so, as
+            # RabbitMQ's internal user store, acknowledge it.
+            self._send_method(conn, 0, commands.Connection.UpdateSecretOk())
+            return
+        expected = _EXPECTED.get(state)
+        if expected is None or index != expected:
+            raise ConnectionError_(
+                R.COMMAND_INVALID,
+                f"unexpected {method_name(index)}"
+                + (f", expected {method_name(expected)}" if expected else ""),
+                class_id=index >> 16,
+                method_id=index & 0xFFFF,
+            )
+        if state == AWAIT_START_OK:
+            self._start_ok(conn, m)
+        elif state == AWAIT_TUNE_OK:
+            self._tune_ok(conn, m)
+        else:
+            self._open(conn, m)
+
+    def _send_start(self, conn: Connection) -> None:
+        cfg = self._config
+        props: dict[str, Any] = {
+            "product": cfg.product,
+            "version": cfg.version,
+            "platform": "Python",
+            "copyright": "cpgbroker contributors",
+            "information": "AMQP 0-9-1 broker on corosync CPG",
+            "capabilities": dict(SERVER_CAPABILITIES),
+            "cluster_name": cfg.cluster_name or "standalone",
+        }
+        member_urls = self._topology.member_urls
+        if member_urls:
+            props["cluster_members"] = " ".join(member_urls)
+        self._send_method(
+            conn,
+            0,
+            commands.Connection.Start(
+                server_properties=props, mechanisms="PLAIN AMQPLAIN", locales="en_US"
+            ),
+        )
+
+    def _start_ok(self, conn: Connection, m: Any) -> None:
+        props = m.client_properties or {}
+        conn.client_properties = dict(props)
+        caps = props.get("capabilities") or {}
+        if isinstance(caps, dict):
+            conn.capabilities = {str(k): bool(v) for k, v in caps.items()}
+        mechanism = m.mechanism
+        response = m.response
+        raw = response.encode() if isinstance(response, str) else bytes(response)
+        user = password = None
+        if mechanism == "PLAIN":
+            parts = raw.split(b"\x00")
+            if len(parts) == 3:
+                user, password = (
+                    parts[1].decode(errors="replace"),
+                    parts[2].decode(errors="replace"),
+                )
+        elif mechanism == "AMQPLAIN":
+            try:
+                table = decode.field_table(len(raw).to_bytes(4, "big") + raw)[1]
+                user, password = str(table.get("LOGIN")), str(table.get("PASSWORD"))
+            except Exception:
+                user = None
+        else:
+            self._refuse_login(conn, f"unsupported authentication mechanism '{mechanism}'")
+            return
+        u = self._users.get(user or "")
+        if u is None or u.password != password or (u.loopback_only and not conn.loopback):
+            self._refuse_login(
+                conn,
+                f"Login was refused using authentication mechanism {mechanism}. "
+                "For details see the broker logfile.",
+            )
+            return
+        conn.user = u.name
+        cfg = self._config
+        self._send_method(
+            conn,
+            0,
+            commands.Connection.Tune(
+                channel_max=cfg.channel_max, frame_max=cfg.frame_max, heartbeat=cfg.heartbeat
+            ),
+        )
+        conn.state = AWAIT_TUNE_OK
+
+    def _refuse_login(self, conn: Connection, text: str) -> None:
+        self.connection_error(conn, ConnectionError_(R.ACCESS_REFUSED, text))
+
+    def _tune_ok(self, conn: Connection, m: Any) -> None:
+        cfg = self._config
+        channel_max = m.channel_max or cfg.channel_max
+        frame_max = m.frame_max or cfg.frame_max
+        if channel_max > cfg.channel_max:
+            raise ConnectionError_(
+                R.NOT_ALLOWED,
+                f"negotiated channel_max = {channel_max} is higher than the maximum allowed "
+                f"value ({cfg.channel_max})",
+            )
+        if frame_max > cfg.frame_max:
+            raise ConnectionError_(
+                R.NOT_ALLOWED,
+                f"negotiated frame_max = {frame_max} is higher than the maximum allowed value "
+                f"({cfg.frame_max})",
+            )
+        if frame_max < FRAME_MIN_SIZE:
+            raise ConnectionError_(
+                R.NOT_ALLOWED,
+                f"negotiated frame_max = {frame_max} is lower than the minimum allowed value "
+                f"({FRAME_MIN_SIZE})",
+            )
+        conn.channel_max = channel_max
+        conn.frame_max = frame_max
+        conn.reader.frame_max = frame_max
+        conn.heartbeat = m.heartbeat
+        conn.state = AWAIT_OPEN
+
+    def _open(self, conn: Connection, m: Any) -> None:
+        vhost = m.virtual_host or "/"
+        if vhost not in self._topology.vhosts:
+            raise ConnectionError_(R.NOT_ALLOWED, f"vhost {vhost} not found")
+        user = self._users[conn.user]
+        if vhost not in user.vhosts:
+            raise ConnectionError_(
+                R.NOT_ALLOWED, f"access to vhost '{vhost}' refused for user '{conn.user}'"
+            )
+        conn.vhost = vhost
+        conn.state = OPEN
+        conn.close_deadline = None
+        self._send_method(conn, 0, commands.Connection.OpenOk())
+        if self._mark.blocked and conn.capabilities.get("connection.blocked"):
+            self._send_method(conn, 0, commands.Connection.Blocked(reason="low on memory"))
+            conn.blocked_sent = True
+
+    # ------------------------------------------------------------------ closing
+
+    def connection_error(self, conn: Connection, e: AMQPError) -> None:
+        """A connection exception: connection.close with its reply code; everything the
+        connection holds is given back now, and it has CLOSE_TIMEOUT_MS to answer."""
+        if conn.state >= CLOSING:
+            return
+        self._send_method(
+            conn,
+            0,
+            commands.Connection.Close(
+                reply_code=int(e.code),
+                reply_text=e.reply_text,
+                class_id=e.class_id,
+                method_id=e.method_id,
+            ),
+        )
+        self._release(conn)
+        conn.state = CLOSING
+        conn.close_deadline = self._clock.now_ms + CLOSE_TIMEOUT_MS
+
+    def close(self, conn_id: int, code: int, text: str) -> None:
+        """Close a client (shutdown, quorum loss, a failed event): connection.close if it is
+        open, else the socket at once."""
+        conn = self.connections.get(conn_id)
+        if conn is not None:
+            if conn.state == OPEN:
+                self.connection_error(conn, ConnectionError_(ReplyCode(code), text))
+            else:
+                self.drop(conn, text, notify=True)
+
+    def _release(self, conn: Connection) -> None:
+        """Give back everything the connection holds: unacked messages are requeued, consumers
+        cancelled, exclusive queues deleted (spec: when the connection closes)."""
+        # Its channels are all going: no consumer on one may be handed what another one gives
+        # back (a single-active-consumer queue's takeover, a requeue's dispatch).
+        mark_closing(conn)
+        release_channel = self._channels.release_channel
+        for ch in list(conn.channels.values()):
+            release_channel(ch)
+        conn.channels.clear()
+        self._topology.delete_exclusive(conn)
+        conn.confirm_dirty.clear()
+
+    def drop(self, conn: Connection, reason: str, *, notify: bool) -> None:
+        """``conn`` is gone: released if it was not yet, forgotten, and its socket closed if
+        ``notify`` (else its owner already knows: deliver-close, a member leaving)."""
+        if conn.state != CLOSED:
+            self._release(conn)
+            conn.state = CLOSED
+        del self.connections[conn.id]
+        if notify:
+            self._out.close_socket(conn, reason)
+        else:
+            conn.outbuf.clear()
+
+    def disconnected(self, conn_id: int, reason: str) -> None:
+        """deliver-close: the client's socket closed."""
+        conn = self.connections.get(conn_id)
+        if conn is not None:
+            self.drop(conn, reason, notify=False)
+
+    def member_left(self, member: int) -> None:
+        """A cluster member left: its clients are gone, and what they held comes back."""
+        gone = [c for c in self.connections.values() if c.member == member]
+        for conn in gone:
+            mark_closing(conn)  # none of them may take over what another gives back
+        for conn in gone:
+            self.drop(conn, "cluster member left", notify=False)
+
+    # ------------------------------------------------------------------ time
+
+    def on_tick(self) -> None:
+        """Handshake and close timeouts, and heartbeats both ways."""
+        now_ms = self._clock.now_ms
+        for conn in list(self.connections.values()):
+            if conn.state != OPEN:
+                if conn.close_deadline is not None and now_ms >= conn.close_deadline:
+                    self.drop(
+                        conn,
+                        "no close-ok from client" if conn.state == CLOSING else "handshake timeout",
+                        notify=True,
+                    )
+                    continue
+                if conn.state == CLOSING:
+                    continue
+            hb = conn.heartbeat * 1000
+            if hb <= 0:
+                continue
+            if now_ms - conn.last_rx_ms > 2 * hb:
+                # Spec 4.2.7: a peer silent for two heartbeat intervals is gone.
+                self.drop(
+                    conn, f"missed heartbeats from client, timeout: {conn.heartbeat}s", notify=True
+                )
+                continue
+            if now_ms - conn.last_tx_ms >= hb // 2:
+                self._out.emit(conn, HEARTBEAT_FRAME)

@@ -1,0 +1,320 @@
+"""Consumers and acknowledgements: basic.qos / consume / cancel / get / ack / nack / reject /
+recover, and giving back what a channel holds.
+
+Theory of operation
+-------------------
+:class:`Consumers` owns the life of a consumer (registered on its channel and its queue,
+ranked by x-priority, taken away by cancel, channel close or queue delete) and the
+settlement of unacked deliveries (``Channel.unacked``: tag -> (queue, entry, consumer)).
+Settling is the one place a delivery ends: an ack releases the message (memory mark), a
+nack or reject without requeue drops it (dead-lettering it if the queue says so), and a
+requeue puts it back at its original place in the queue (``entities.put_back``), counted
+against a quorum queue's delivery limit. After a settlement the queues it touched are
+dispatched again (delivery owns dispatch), so freed prefetch is used in the same event.
+
+In a transaction, acks and nacks are checked at once but held as records on the channel
+until tx.commit settles them (``transactions.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pamqp import commands
+
+from cpgbroker.errors import ChannelError, ConnectionError_, ReplyCode
+from cpgbroker.model.delivery import Delivery, fast_decode
+from cpgbroker.model.entities import (
+    Channel,
+    Connection,
+    Consumer,
+    Entry,
+    Queue,
+    TxAck,
+    TxNack,
+    Unacked,
+    detach_unacked,
+    put_back,
+)
+from cpgbroker.model.memory import MemoryMark
+from cpgbroker.model.output import Clock, Output
+from cpgbroker.model.topology import Topology, amqp_type, generated_name
+from cpgbroker.wire import fastpath as fp
+
+R = ReplyCode
+
+
+class Consumers:
+    __slots__ = ("_clock", "_delivery", "_dispatch", "_out", "_release", "_topology")
+
+    def __init__(
+        self,
+        clock: Clock,
+        out: Output,
+        mark: MemoryMark,
+        topology: Topology,
+        delivery: Delivery,
+    ) -> None:
+        self._clock = clock
+        self._out = out
+        self._topology = topology
+        self._delivery = delivery
+        # Bound once: these run per ack.
+        self._release = mark.release
+        self._dispatch = delivery.dispatch
+
+    # ------------------------------------------------------------------ consumers
+
+    def b_qos(self, conn: Connection, ch: Channel, m: Any) -> None:
+        if m.prefetch_size:
+            raise ConnectionError_(R.NOT_IMPLEMENTED, f"prefetch_size!=0 ({m.prefetch_size})")
+        if m.global_:
+            ch.global_prefetch = m.prefetch_count
+        else:
+            ch.prefetch_count = m.prefetch_count
+        self._out.send_method(conn, ch.id, commands.Basic.QosOk())
+        self._delivery.dispatch_channel(ch)
+
+    def b_consume(self, conn: Connection, ch: Channel, m: Any) -> None:
+        q = self._topology.queue(conn, ch, m.queue)
+        tag = m.consumer_tag or generated_name(conn, "amq.ctag-")
+        if tag in ch.consumers:
+            raise ConnectionError_(R.NOT_ALLOWED, f"attempt to reuse consumer tag '{tag}'")
+        # RabbitMQ refuses an exclusive consumer on a single-active-consumer queue outright.
+        if (q.consumers or q.single_active) and (
+            m.exclusive or any(c.exclusive for c in q.consumers)
+        ):
+            raise ChannelError(
+                R.ACCESS_REFUSED,
+                f"queue '{q.name}' in vhost '{q.vhost}' in exclusive use",
+            )
+        args = dict(m.arguments or {})
+        prio = args.get("x-priority", 0)
+        if isinstance(prio, bool) or not isinstance(prio, int):
+            raise ChannelError(
+                R.PRECONDITION_FAILED,
+                f"invalid arg 'x-priority' for queue '{q.name}' in vhost '{q.vhost}': "
+                f'"expected integer, got {amqp_type(prio)}"',
+            )
+        c = Consumer(tag, q, ch, m.no_ack, m.exclusive, ch.prefetch_count, args)
+        ch.consumers[tag] = c
+        q.consumers.append(c)
+        if c.priority:
+            q.ranked_consumers += 1
+        q.had_consumers = True
+        q.last_used_ms = self._clock.now_ms
+        if not m.nowait:
+            self._out.send_method(conn, ch.id, commands.Basic.ConsumeOk(consumer_tag=tag))
+        self._dispatch(q)
+
+    def b_cancel(self, conn: Connection, ch: Channel, m: Any) -> None:
+        c = ch.consumers.pop(m.consumer_tag, None)
+        if not m.nowait:
+            self._out.send_method(conn, ch.id, commands.Basic.CancelOk(consumer_tag=m.consumer_tag))
+        if c is not None and self.remove_consumer(c):
+            self._dispatch(c.queue)  # a next single active consumer, or a lower priority
+
+    def remove_consumer(self, c: Consumer) -> bool:
+        """True if the queue still has consumers and ready messages: the caller dispatches it
+        (the next single active consumer takes over; a lower-priority consumer may no longer
+        have to wait for this one)."""
+        q = c.queue
+        handover = False
+        detach_unacked(c)
+        if c in q.consumers:
+            idx = q.consumers.index(c)
+            q.consumers.remove(c)
+            if c.priority:
+                q.ranked_consumers -= 1
+            if idx < q.rr:
+                q.rr -= 1
+            if q.rr >= len(q.consumers):
+                q.rr = 0
+            handover = bool(q.consumers) and bool(q.messages)
+        q.last_used_ms = self._clock.now_ms
+        if q.auto_delete and q.had_consumers and not q.consumers and not q.deleted:
+            self._topology.delete_queue(q)
+        return handover
+
+    def b_get(self, conn: Connection, ch: Channel, m: Any) -> None:
+        q = self._topology.queue(conn, ch, m.queue)
+        now = self._clock.now_ms
+        q.last_used_ms = now
+        self._delivery.expire_head(q)
+        if not q.messages:
+            self._out.send_method(conn, ch.id, commands.Basic.GetEmpty())
+            return
+        e = q.messages.popleft()
+        ch.next_tag += 1
+        tag = ch.next_tag
+        if m.no_ack:
+            self._release(q, e)
+        else:
+            ch.unacked[tag] = (q, e, None)
+            q.unacked += 1
+        conn.last_tx_ms = now
+        if conn.emit:
+            msg = e.msg
+            self._out.emit(
+                conn,
+                fp.encode_get_ok(ch.id, tag, e.redelivered, msg.ex_b, msg.rk_b, len(q.messages))
+                + fp.encode_content(
+                    ch.id,
+                    fp.with_delivery_count(msg.header, e.delivery_count)
+                    if e.delivery_count
+                    else msg.header,
+                    msg.body,
+                    conn.frame_max,
+                ),
+            )
+
+    # ------------------------------------------------------------------ acknowledgements
+
+    def basic_ack(self, ch: Channel, payload: bytes) -> None:
+        """basic.ack, the fast path (struct-decoded)."""
+        tag, multiple = fast_decode(fp.decode_ack, payload, "basic.ack", 80)
+        if ch.tx:
+            self._check_tags(ch, tag, multiple, 80)
+            ch.tx_ops.append(TxAck(tag, multiple))
+            return
+        self.settle(ch, tag, multiple, None, 80)
+
+    def b_nack(self, conn: Connection, ch: Channel, payload: bytes) -> None:
+        tag, multiple, requeue = fast_decode(fp.decode_nack, payload, "basic.nack", 120)
+        if ch.tx:
+            self._check_tags(ch, tag, multiple, 120)
+            ch.tx_ops.append(TxNack(tag, multiple, requeue))
+            return
+        self.settle(ch, tag, multiple, requeue, 120)
+
+    def b_reject(self, conn: Connection, ch: Channel, payload: bytes) -> None:
+        tag, requeue = fast_decode(fp.decode_reject, payload, "basic.reject", 90)
+        if ch.tx:
+            self._check_tags(ch, tag, False, 90)
+            ch.tx_ops.append(TxNack(tag, False, requeue))
+            return
+        self.settle(ch, tag, False, requeue, 90)
+
+    def b_ack_method(self, conn: Connection, ch: Channel, payload: bytes) -> None:
+        # basic.ack arriving while a fast path did not apply (e.g. channel in tx).
+        self.basic_ack(ch, payload)
+
+    def _check_tags(self, ch: Channel, tag: int, multiple: bool, method_id: int) -> None:
+        if multiple and tag == 0:
+            return
+        if tag not in ch.unacked:
+            raise ChannelError(
+                R.PRECONDITION_FAILED,
+                f"unknown delivery tag {tag}",
+                class_id=60,
+                method_id=method_id,
+            )
+
+    def settle(
+        self, ch: Channel, tag: int, multiple: bool, requeue: bool | None, method_id: int
+    ) -> None:
+        """ack (``requeue`` None), or nack/reject with or without requeue."""
+        unacked = ch.unacked
+        settled: list[Unacked]
+        if multiple:
+            if tag == 0:
+                tag = ch.next_tag
+            elif tag not in unacked:
+                raise ChannelError(
+                    R.PRECONDITION_FAILED,
+                    f"unknown delivery tag {tag}",
+                    class_id=60,
+                    method_id=method_id,
+                )
+            settled = []
+            while unacked:
+                t = next(iter(unacked))
+                if t > tag:
+                    break
+                settled.append(unacked.pop(t))
+        else:
+            item = unacked.pop(tag, None)
+            if item is None:
+                raise ChannelError(
+                    R.PRECONDITION_FAILED,
+                    f"unknown delivery tag {tag}",
+                    class_id=60,
+                    method_id=method_id,
+                )
+            settled = [item]
+        touched: list[Queue] = []
+        release = self._release
+        if requeue:
+            delivery = self._delivery
+            over: list[tuple[Queue, Entry]] = []
+            for q, e, c in reversed(settled):
+                if c is not None:
+                    c.unacked -= 1
+                q.unacked -= 1
+                if q.deleted:
+                    release(q, e)
+                    continue
+                if q not in touched:
+                    touched.append(q)
+                if delivery.over_delivery_limit(q, e):
+                    over.append((q, e))
+                    continue
+                e.redelivered = True
+                put_back(q.messages, e)
+                delivery.track_ttl(q, e)
+            delivery.dead_letter_over_limit(over)
+            touched.reverse()
+        else:
+            for q, e, c in settled:
+                if c is not None:
+                    c.unacked -= 1
+                q.unacked -= 1
+                if requeue is None or q.deleted:
+                    release(q, e)
+                else:
+                    self._delivery.settle_dropped(q, e, "rejected")
+                if q not in touched:
+                    touched.append(q)
+        dispatch = self._dispatch
+        for q in touched:
+            dispatch(q)
+        if ch.global_prefetch:
+            self._delivery.dispatch_channel(ch)
+
+    def b_recover(self, conn: Connection, ch: Channel, m: Any) -> None:
+        if not m.requeue:
+            raise ConnectionError_(R.NOT_IMPLEMENTED, "requeue=false")
+        self.requeue_all(ch)
+        if isinstance(m, commands.Basic.Recover):
+            self._out.send_method(conn, ch.id, commands.Basic.RecoverOk())
+
+    def requeue_all(self, ch: Channel) -> None:
+        """Every unacked delivery of ``ch`` goes back to its queue (recover, channel close)."""
+        if not ch.unacked:
+            return
+        delivery = self._delivery
+        touched: list[Queue] = []
+        # Taken off the channel first: a dead-lettered one may be delivered again on it below.
+        items = list(ch.unacked.values())
+        ch.unacked.clear()
+        over: list[tuple[Queue, Entry]] = []
+        # Back to their original places; in reverse tag order each lands at the head.
+        for q, e, c in reversed(items):
+            if c is not None:
+                c.unacked -= 1
+            q.unacked -= 1
+            if q.deleted:
+                self._release(q, e)
+                continue
+            if q not in touched:
+                touched.append(q)
+            if delivery.over_delivery_limit(q, e):
+                over.append((q, e))
+                continue
+            e.redelivered = True
+            put_back(q.messages, e)
+        delivery.dead_letter_over_limit(over)
+        for q in reversed(touched):
+            if q.messages:
+                delivery.track_ttl(q, q.messages[0])
+            self._dispatch(q)

@@ -1,0 +1,553 @@
+"""Delivery: publishing, routing, enqueueing, dispatching to consumers, TTL and dead letters.
+
+Theory of operation
+-------------------
+:class:`Delivery` owns the message counter (``msg_seq``: message ids grow with publishing,
+which keeps a queue's ready messages in id order) and the way a message travels:
+
+1. ``basic_publish`` (the fast path: struct-decoded, no pamqp) opens a
+   :class:`~.entities.PendingPublish` on the channel; ``content_header`` and
+   ``content_body`` fill it; the last body frame publishes it. The client's content-header
+   bytes are kept and forwarded byte for byte.
+2. ``route`` finds the queues (exchange-to-exchange bindings, alternate exchanges);
+   ``enqueue`` applies x-max-length / x-overflow and TTL; ``dispatch`` offers each ready
+   message to the queue's consumers (round robin, consumer priorities, single active
+   consumer), against the do-output credit of their connections only.
+3. A message that leaves a queue without being consumed (expired, dropped at max length,
+   rejected, over its delivery limit) is *settled dropped*: released from the memory mark
+   and, if the queue has a dead-letter exchange, copied there (``deadletter.py``).
+
+Transactions hold publishes on the channel (``Channel.tx_ops``); confirms are counted by
+:class:`~.confirms.Confirms`, which this component tells about every routed publish.
+Consumers, acks and requeues live in ``consumers.py``; queues, exchanges and the
+``ttl_queues`` index in ``topology.py`` (delivery adds a queue to the index when a message
+that can expire joins it, and expires queue heads on ticks).
+
+Per-message cost is what every replica pays for every client, so the hot methods keep their
+collaborators as bound methods and encode deliveries straight into ``Connection.outbuf``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from pamqp import commands
+
+from cpgbroker.errors import ChannelError, ConnectionError_, ReplyCode
+from cpgbroker.model import entities as E
+from cpgbroker.model.config import BrokerConfig
+from cpgbroker.model.confirms import Confirms
+from cpgbroker.model.deadletter import dead_letter_header
+from cpgbroker.model.entities import (
+    Channel,
+    Connection,
+    Consumer,
+    Entry,
+    Message,
+    PendingPublish,
+    Queue,
+    TxPublish,
+)
+from cpgbroker.model.events import WantOutput
+from cpgbroker.model.exchange import Exchange
+from cpgbroker.model.memory import MemoryMark
+from cpgbroker.model.output import Clock, Output, basic_return
+from cpgbroker.model.topology import FAILOVER_EXCHANGE, QueueKey, VHost
+from cpgbroker.wire.fastpath import (
+    HeaderInfo,
+    decode_publish,
+    encode_content,
+    encode_deliver,
+    parse_content_header,
+    with_delivery_count,
+)
+
+R = ReplyCode
+
+
+def fast_decode(decoder: Any, payload: bytes, name: str, method_id: int) -> Any:
+    """Run a hand-written decoder; malformed arguments are 502 SYNTAX_ERROR, as from pamqp."""
+    try:
+        return decoder(payload)
+    except (ValueError, IndexError) as e:
+        raise ConnectionError_(
+            R.SYNTAX_ERROR, f"malformed {name} arguments: {e}", class_id=60, method_id=method_id
+        ) from None
+
+
+def _over(q: Queue, size: int) -> bool:
+    return (q.max_length is not None and len(q.messages) + 1 > q.max_length) or (
+        q.max_length_bytes is not None and q.ready_bytes + size > q.max_length_bytes
+    )
+
+
+class Delivery:
+    __slots__ = (
+        "_clock",
+        "_confirm_publish",
+        "_connections",
+        "_dirty",
+        "_emit",
+        "_mark",
+        "_max_message_size",
+        "_out",
+        "_release",
+        "_ttl_queues",
+        "_vhosts",
+        "msg_seq",
+    )
+
+    def __init__(
+        self,
+        config: BrokerConfig,
+        clock: Clock,
+        out: Output,
+        mark: MemoryMark,
+        confirms: Confirms,
+        vhosts: dict[str, VHost],
+        ttl_queues: dict[QueueKey, Queue],
+        connections: dict[int, Connection],
+    ) -> None:
+        self.msg_seq = 0
+        self._max_message_size = config.max_message_size
+        self._clock = clock
+        self._out = out
+        self._mark = mark
+        # Read only: topology owns vhosts and the index of queues whose head may expire.
+        self._vhosts = vhosts
+        self._ttl_queues = ttl_queues
+        self._connections = connections
+        # Bound once: these run per message.
+        self._dirty = out.dirty
+        self._emit = out.emit
+        self._release = mark.release
+        self._confirm_publish = confirms.published
+
+    # ------------------------------------------------------------------ publishing
+
+    def basic_publish(self, conn: Connection, ch: Channel, payload: bytes) -> None:
+        exchange, rk, mandatory, immediate = fast_decode(
+            decode_publish, payload, "basic.publish", 40
+        )
+        if immediate:
+            raise ConnectionError_(R.NOT_IMPLEMENTED, "immediate=true", class_id=60, method_id=40)
+        ch.pending = PendingPublish(exchange, rk, mandatory)
+
+    def content_header(self, conn: Connection, ch: Channel, payload: bytes) -> None:
+        pend = ch.pending
+        if pend is None or pend.header is not None:
+            raise ConnectionError_(
+                R.UNEXPECTED_FRAME, f"unexpected content header frame on channel {ch.id}"
+            )
+        try:
+            info = parse_content_header(payload)
+        except (ValueError, IndexError) as e:
+            raise ConnectionError_(R.FRAME_ERROR, f"malformed content header: {e}") from None
+        if info.class_id != 60:
+            raise ConnectionError_(
+                R.FRAME_ERROR, f"content header for class {info.class_id}, expected 60 (basic)"
+            )
+        if info.body_size > self._max_message_size:
+            ch.pending = None
+            raise ChannelError(
+                R.PRECONDITION_FAILED,
+                f"message size {info.body_size} is larger than configured max size "
+                f"{self._max_message_size}",
+                class_id=60,
+                method_id=40,
+            )
+        pend.header = payload
+        pend.remaining = info.body_size
+        pend.info = info
+        if info.body_size == 0:
+            ch.pending = None
+            self._publish(conn, ch, pend, payload, info, b"")
+
+    def content_body(self, conn: Connection, ch: Channel, payload: bytes) -> None:
+        pend = ch.pending
+        if pend is None:
+            raise ConnectionError_(
+                R.UNEXPECTED_FRAME, f"unexpected content body frame on channel {ch.id}"
+            )
+        header = pend.header
+        info = pend.info
+        if header is None or info is None:
+            raise ConnectionError_(
+                R.UNEXPECTED_FRAME, f"unexpected content body frame on channel {ch.id}"
+            )
+        remaining = pend.remaining - len(payload)
+        if remaining < 0:
+            raise ConnectionError_(
+                R.FRAME_ERROR, "content body frames exceed the size in the content header"
+            )
+        parts = pend.parts
+        if remaining:
+            if parts is None:
+                pend.parts = [payload]
+            else:
+                parts.append(payload)
+            pend.remaining = remaining
+            return
+        ch.pending = None
+        if parts is not None:
+            parts.append(payload)
+            payload = b"".join(parts)
+        self._publish(conn, ch, pend, header, info, payload)
+
+    def _publish(
+        self,
+        conn: Connection,
+        ch: Channel,
+        pend: PendingPublish,
+        header: bytes,
+        info: HeaderInfo,
+        body: bytes,
+    ) -> None:
+        exchange = pend.exchange
+        vh = self._vhosts[conn.vhost]
+        ex = vh.exchanges.get(exchange)
+        if ex is None:
+            raise ChannelError(
+                R.NOT_FOUND,
+                f"no exchange '{exchange}' in vhost '{vh.name}'",
+                class_id=60,
+                method_id=40,
+            )
+        if ex.internal:
+            raise ChannelError(
+                R.ACCESS_REFUSED,
+                f"cannot publish to internal exchange '{exchange}' in vhost '{vh.name}'",
+                class_id=60,
+                method_id=40,
+            )
+        if info.user_id is not None and info.user_id != conn.user:
+            raise ChannelError(
+                R.PRECONDITION_FAILED,
+                f"user_id property set to '{info.user_id}' but authenticated user was "
+                f"'{conn.user}'",
+                class_id=60,
+                method_id=40,
+            )
+        expiration_ms: int | None = None
+        if info.expiration is not None:
+            exp = info.expiration
+            if not exp.isdigit() or not exp.isascii():
+                raise ChannelError(
+                    R.PRECONDITION_FAILED, f"invalid expiration '{exp}'", class_id=60, method_id=40
+                )
+            expiration_ms = int(exp)
+        self.msg_seq += 1
+        msg = Message(
+            self.msg_seq,
+            exchange,
+            pend.routing_key,
+            header,
+            body,
+            info.delivery_mode,
+            expiration_ms,
+            info.headers_span,
+        )
+        conn.published = True
+        if ch.tx:
+            ch.tx_ops.append(TxPublish(msg, pend.mandatory))
+            return
+        self.route_and_enqueue(conn, ch, vh, ex, msg, pend.mandatory)
+        mark = self._mark
+        if mark.queued_bytes > mark.high and not mark.blocked:
+            mark.set_blocked(True)
+
+    def route_and_enqueue(
+        self, conn: Connection, ch: Channel, vh: VHost, ex: Exchange, msg: Message, mandatory: bool
+    ) -> None:
+        queues = self.route(vh, ex, msg.routing_key, msg)
+        refused = False
+        if not queues:
+            if mandatory:
+                self._send_return(conn, ch, msg, R.NO_ROUTE, "NO_ROUTE")
+        else:
+            for q in queues:
+                if self.enqueue(q, Entry(msg, False, None)):
+                    self.dispatch(q)
+                else:
+                    refused = True
+        if ch.confirm:
+            self._confirm_publish(conn, ch, refused)
+
+    def _send_return(
+        self, conn: Connection, ch: Channel, msg: Message, code: int, text: str
+    ) -> None:
+        conn.last_tx_ms = self._clock.now_ms
+        if conn.emit:
+            # Encoded here, not by pamqp, which refuses exchange names RabbitMQ accepts.
+            self._emit(
+                conn,
+                basic_return(ch.id, code, text, msg.exchange, msg.routing_key)
+                + encode_content(ch.id, msg.header, msg.body, conn.frame_max),
+            )
+
+    def publish_members(self, q: Queue, urls: tuple[str, ...]) -> None:
+        """The member list as a message on ``q`` (amq.failover): body one URL per line, and the
+        list in header ``members`` for clients that read headers."""
+        from pamqp import header as pheader
+
+        props = commands.Basic.Properties(
+            content_type="text/plain", headers={"members": list(urls)}
+        )
+        body = "\n".join(urls).encode()
+        hdr = bytes(pheader.ContentHeader(0, len(body), props).marshal())
+        info = parse_content_header(hdr)
+        self.msg_seq += 1
+        msg = Message(self.msg_seq, FAILOVER_EXCHANGE, "", hdr, body, 1, None, info.headers_span)
+        if self.enqueue(q, Entry(msg, False, None)):
+            self.dispatch(q)
+
+    # ------------------------------------------------------------------ routing and queues
+
+    def route(
+        self, vh: VHost, ex: Exchange, rk: str, msg: Message, seen: list[Exchange] | None = None
+    ) -> list[Queue]:
+        if ex.name == "":
+            q = vh.queues.get(rk)
+            return [q] if q is not None else []
+        found: list[Queue] = []
+        visited: list[Exchange] = [ex]
+        pending = [ex]
+        while pending:
+            cur = pending.pop(0)
+            for dest in cur.match(rk, msg):
+                if isinstance(dest, Queue):
+                    if dest not in found:
+                        found.append(dest)
+                elif dest not in visited:
+                    visited.append(dest)
+                    pending.append(dest)
+        if not found:
+            ae_name = ex.alternate
+            if ae_name is not None:
+                ae = vh.exchanges.get(ae_name)
+                # Alternate exchanges may form a cycle (a -> b -> a): every exchange of the
+                # chain is tried once, as RabbitMQ does.
+                seen = [ex] if seen is None else seen
+                if ae is not None and ae not in seen:
+                    seen.append(ae)
+                    return self.route(vh, ae, rk, msg, seen)
+        return found
+
+    def enqueue(self, q: Queue, e: Entry) -> bool:
+        """Append to ``q``; False if the queue refused it (x-overflow reject-publish)."""
+        msg = e.msg
+        size = len(msg.body)
+        if (q.max_length is not None or q.max_length_bytes is not None) and _over(q, size):
+            if q.overflow != "drop-head":
+                if q.overflow == "reject-publish-dlx":
+                    self.dead_letter(q, e, "maxlen")
+                return False
+            while q.messages and _over(q, size):
+                self.settle_dropped(q, q.messages.popleft(), "maxlen")
+            if _over(q, size):
+                # Does not fit even in an empty queue: it is the head that is dropped.
+                if q.dlx is not None:
+                    self.dead_letter(q, e, "maxlen")
+                return True
+        ttl = q.ttl
+        exp = msg.expiration_ms
+        if ttl is not None or exp is not None:
+            if ttl is None:
+                lim = exp
+            elif exp is None:
+                lim = ttl
+            else:
+                lim = min(ttl, exp)
+            e.expires_at = self._clock.now_ms + (lim or 0)
+            self._ttl_queues[(q.vhost, q.name)] = q
+        q.messages.append(e)
+        q.ready_bytes += size
+        self._mark.queued_bytes += size
+        return True
+
+    def track_ttl(self, q: Queue, e: Entry) -> None:
+        """``e`` is back among ``q``'s ready messages: ticks must look at ``q`` if it expires."""
+        if e.expires_at is not None:
+            self._ttl_queues[(q.vhost, q.name)] = q
+
+    def expire_head(self, q: Queue) -> None:
+        msgs = q.messages
+        now = self._clock.now_ms
+        while msgs:
+            e = msgs[0]
+            if e.expires_at is None or e.expires_at > now:
+                return
+            msgs.popleft()
+            self.settle_dropped(q, e, "expired")
+
+    def expire_ttl(self) -> None:
+        """On a tick: expired heads leave their queues; a queue with none left that can expire
+        leaves the index."""
+        ttl_queues = self._ttl_queues
+        if ttl_queues:
+            for key, q in list(ttl_queues.items()):
+                self.expire_head(q)
+                if not q.messages:
+                    del ttl_queues[key]
+
+    # ------------------------------------------------------------------ dead letters
+
+    @staticmethod
+    def over_delivery_limit(q: Queue, e: Entry) -> bool:
+        """A message comes back to a quorum queue: count it; True if that is past its
+        x-delivery-limit (the caller dead-letters it instead, as RabbitMQ's quorum queues do
+        with poison messages)."""
+        if not q.quorum:
+            return False
+        e.delivery_count += 1
+        return q.delivery_limit is not None and e.delivery_count > q.delivery_limit
+
+    def dead_letter_over_limit(self, over: list[tuple[Queue, Entry]]) -> None:
+        """``over`` was collected newest first (returns walk back from the last tag): dead-letter
+        in delivery order, as the messages were published."""
+        for q, e in reversed(over):
+            self.settle_dropped(q, e, "delivery_limit")
+
+    def settle_dropped(self, q: Queue, e: Entry, reason: str) -> None:
+        """A message leaves ``q`` without being consumed: dead-letter it if configured."""
+        self._release(q, e)
+        if q.dlx is not None:
+            self.dead_letter(q, e, reason)
+
+    def dead_letter(self, q: Queue, e: Entry, reason: str) -> None:
+        vh = self._vhosts[q.vhost]
+        ex = vh.exchanges.get(q.dlx or "")
+        if ex is None or q.dlx is None:
+            return
+        msg = e.msg
+        rk = q.dlrk if q.dlrk is not None else msg.routing_key
+        header = dead_letter_header(msg, q, reason, self._clock.now_ms)
+        self.msg_seq += 1
+        info = parse_content_header(header)
+        new = Message(
+            self.msg_seq, ex.name, rk, header, msg.body, info.delivery_mode, None, info.headers_span
+        )
+        for target in self.route(vh, ex, rk, new):
+            # RabbitMQ drops a message that would dead-letter into the queue it left with the
+            # same reason (a cycle) unless it was rejected explicitly.
+            if target is q and reason != "rejected":
+                continue
+            if self.enqueue(target, Entry(new, False, None)):
+                self.dispatch(target)
+
+    # ------------------------------------------------------------------ dispatch
+
+    def on_do_output(self, conn_id: int, limit: int) -> None:
+        """The owner of ``conn_id`` grants ``limit`` deliveries (its socket drained)."""
+        conn = self._connections.get(conn_id)
+        if conn is None:
+            return
+        conn.credit = limit
+        conn.want_output = False
+        conn.granted = True
+        if conn.state != E.OPEN:
+            return
+        # Queues are visited in channel and consumer order: deterministic.
+        seen: list[Queue] = []
+        for ch in conn.channels.values():
+            for c in ch.consumers.values():
+                if c.queue not in seen:
+                    seen.append(c.queue)
+        for q in seen:
+            self.dispatch(q)
+            if conn.credit <= 0:
+                break
+
+    def dispatch_channel(self, ch: Channel) -> None:
+        seen: list[Queue] = []
+        for c in ch.consumers.values():
+            if c.queue not in seen:
+                seen.append(c.queue)
+        for q in seen:
+            self.dispatch(q)
+
+    def dispatch(self, q: Queue) -> None:
+        msgs = q.messages
+        consumers = q.consumers
+        if not msgs or not consumers:
+            return
+        now = self._clock.now_ms
+        # A single-active-consumer queue offers messages to its eldest consumer only.
+        n = 1 if q.single_active else len(consumers)
+        # Consumer priorities (x-priority): the highest that can take a message gets it, in
+        # turn among equals; a lower one only while all higher ones cannot (prefetch full,
+        # flow off, their connection not draining), as in RabbitMQ.
+        ranked = n > 1 and q.ranked_consumers > 0
+        while msgs:
+            e = msgs[0]
+            if e.expires_at is not None and e.expires_at < now:
+                msgs.popleft()
+                self.settle_dropped(q, e, "expired")
+                continue
+            chosen: Consumer | None = None
+            start = q.rr
+            order: Iterable[int] = range(n)
+            # The priority of a consumer whose connection waits for its first do-output grant: a
+            # lower one must not take the message meanwhile (every fresh connection waits for
+            # one, and whose comes first is no measure of who can take more). Out of credit
+            # later, a connection has not drained what it was given: it cannot take more, and
+            # lower ones may (RabbitMQ's credit flow); so a stuck client holds nobody up.
+            waiting: int | None = None
+            if ranked:
+                order = sorted(order, key=lambda i: (-consumers[(start + i) % n].priority, i))
+            for i in order:
+                c = consumers[(start + i) % n]
+                if waiting is not None and c.priority < waiting:
+                    break
+                ch = c.channel
+                if not ch.flow_active or ch.closing:
+                    continue
+                if not c.no_ack:
+                    if c.prefetch and c.unacked >= c.prefetch:
+                        continue
+                    if ch.global_prefetch and len(ch.unacked) >= ch.global_prefetch:
+                        continue
+                conn = ch.conn
+                if conn.credit <= 0:
+                    if not conn.want_output:
+                        conn.want_output = True
+                        self._out.effect(WantOutput(conn.id))
+                    if ranked and waiting is None and not conn.granted:
+                        waiting = c.priority
+                    continue
+                chosen = c
+                q.rr = (start + i + 1) % n
+                break
+            if chosen is None:
+                return
+            msgs.popleft()
+            self._deliver(chosen, q, e)
+
+    def _deliver(self, c: Consumer, q: Queue, e: Entry) -> None:
+        ch = c.channel
+        conn = ch.conn
+        ch.next_tag += 1
+        tag = ch.next_tag
+        conn.credit -= 1
+        if c.no_ack:
+            self._release(q, e)
+        else:
+            ch.unacked[tag] = (q, e, c)
+            c.unacked += 1
+            q.unacked += 1
+        conn.last_tx_ms = self._clock.now_ms
+        if conn.emit:
+            msg = e.msg
+            header = (
+                with_delivery_count(msg.header, e.delivery_count)
+                if e.delivery_count
+                else msg.header
+            )
+            data = encode_deliver(
+                ch.id, c.tag_b, tag, e.redelivered, msg.ex_b, msg.rk_b
+            ) + encode_content(ch.id, header, msg.body, conn.frame_max)
+            # Output.emit inlined (one call less per delivery).
+            if not conn.outbuf:
+                self._dirty.append(conn)
+            conn.outbuf.append(data)

@@ -1,0 +1,643 @@
+"""Topology: vhosts, exchanges, queues and bindings, and the rules for declaring them.
+
+Theory of operation
+-------------------
+:class:`Topology` owns every vhost (``vhosts``) with its exchanges and queues, the cluster's
+member list that the ``amq.failover`` exchange publishes (``member_urls``), and two indexes of
+queues keyed by (vhost, name) that ticks walk: queues whose head may expire (``ttl_queues``,
+filled by delivery as messages with a TTL arrive) and queues with x-expires (``expiring``).
+It handles the exchange and queue classes of AMQP (declare, delete, bind, unbind, purge),
+validates declare arguments, checks their equivalence on redeclare, and deletes queues
+(which cancels their consumers and drops their messages).
+
+Names are the broker's business, not the codec's: a queue or exchange name is any UTF-8
+shortstr (so at most 255 bytes, which the wire format itself enforces), as in RabbitMQ.
+The rules are RabbitMQ's, with its reply codes: ``amq.`` is reserved for exchanges and
+queues the broker declares (403 ACCESS_REFUSED), the default exchange cannot be declared,
+deleted or bound (403), and a missing name is 404 NOT_FOUND. pamqp's stricter name pattern
+is not applied (``channel.decode_method``).
+
+It never delivers: publishing the member list to a queue bound to ``amq.failover`` goes
+through ``on_failover_bind``, which the broker connects to delivery.
+
+Ordering: every collection is an insertion-ordered dict or a list; a set only where it is
+iterated ``sorted``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+from pamqp import commands
+
+from cpgbroker.errors import ChannelError, ConnectionError_, InvariantError, ReplyCode
+from cpgbroker.model.entities import (
+    MAX_PRIORITY,
+    Channel,
+    Connection,
+    Queue,
+    QueueBinding,
+    detach_unacked,
+    ready_messages,
+)
+from cpgbroker.model.exchange import EXCHANGE_TYPES, Exchange
+from cpgbroker.model.memory import MemoryMark
+from cpgbroker.model.output import Clock, Output, queue_declare_ok
+
+R = ReplyCode
+
+# Fanout exchange carrying the cluster's member list (cluster mode): a queue bound to it gets
+# the current list at once and again on every membership change.
+FAILOVER_EXCHANGE = "amq.failover"
+
+PREDECLARED = (
+    ("amq.direct", "direct"),
+    ("amq.fanout", "fanout"),
+    ("amq.topic", "topic"),
+    ("amq.headers", "headers"),
+    ("amq.match", "headers"),
+)
+
+QueueKey = tuple[str, str]
+
+
+class VHost:
+    __slots__ = ("exchanges", "name", "queues")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.exchanges: dict[str, Exchange] = {}
+        self.queues: dict[str, Queue] = {}
+
+
+def _unwired(q: Queue, urls: tuple[str, ...]) -> None:
+    raise InvariantError("topology used before the broker connected on_failover_bind")
+
+
+class Topology:
+    __slots__ = (
+        "_clock",
+        "_connections",
+        "_mark",
+        "_out",
+        "expiring",
+        "member_urls",
+        "on_failover_bind",
+        "ttl_queues",
+        "vhosts",
+    )
+
+    def __init__(
+        self,
+        vhost_names: tuple[str, ...],
+        member_urls: tuple[str, ...],
+        clock: Clock,
+        out: Output,
+        mark: MemoryMark,
+        connections: dict[int, Connection],
+    ) -> None:
+        self.vhosts: dict[str, VHost] = {}
+        # Client URLs of the cluster's members (empty standalone), in the cluster's order.
+        self.member_urls = member_urls
+        # Queues with an entry that can expire / with x-expires, checked on ticks.
+        self.ttl_queues: dict[QueueKey, Queue] = {}
+        self.expiring: dict[QueueKey, Queue] = {}
+        self._clock = clock
+        self._out = out
+        self._mark = mark
+        # Read only: exclusive queues are struck from their owner's list when deleted.
+        self._connections = connections
+        # Publishes the member list to a queue just bound to amq.failover (delivery does).
+        self.on_failover_bind: Callable[[Queue, tuple[str, ...]], None] = _unwired
+        for name in vhost_names:
+            self.add_vhost(name)
+
+    # ------------------------------------------------------------------ vhosts and members
+
+    def add_vhost(self, name: str) -> VHost:
+        vh = VHost(name)
+        vh.exchanges[""] = Exchange("", name, "direct", True, False, False, {})
+        for ex_name, ex_type in PREDECLARED:
+            vh.exchanges[ex_name] = Exchange(ex_name, name, ex_type, True, False, False, {})
+        self.vhosts[name] = vh
+        return vh
+
+    def set_members(self, urls: tuple[str, ...]) -> list[Queue]:
+        """The cluster's member list changed: returns the queues bound to amq.failover (in
+        vhost and binding order), which must get the new list."""
+        self.member_urls = tuple(urls)
+        targets: list[Queue] = []
+        for vh in self.vhosts.values():
+            ex = vh.exchanges.get(FAILOVER_EXCHANGE)
+            if ex is None:
+                ex = Exchange(FAILOVER_EXCHANGE, vh.name, "fanout", True, False, False, {})
+                vh.exchanges[FAILOVER_EXCHANGE] = ex
+            for b in ex.bindings:
+                if isinstance(b.dest, Queue):
+                    targets.append(b.dest)
+        return targets
+
+    # ------------------------------------------------------------------ restore
+
+    def restore(
+        self,
+        vhosts: list[VHost],
+        member_urls: tuple[str, ...],
+        ttl_queues: list[Queue],
+        expiring: list[Queue],
+    ) -> None:
+        """Install restored state (``snapshot.Restorer``) in place of the configured vhosts."""
+        self.vhosts.clear()
+        for vh in vhosts:
+            self.vhosts[vh.name] = vh
+        self.member_urls = member_urls
+        self.ttl_queues.clear()
+        self.ttl_queues.update(((q.vhost, q.name), q) for q in ttl_queues)
+        self.expiring.clear()
+        self.expiring.update(((q.vhost, q.name), q) for q in expiring)
+
+    # ------------------------------------------------------------------ names and checks
+
+    def vhost(self, conn: Connection) -> VHost:
+        return self.vhosts[conn.vhost]
+
+    def queue_name(self, conn: Connection, ch: Channel, name: str) -> str:
+        """Spec: an empty queue name means the last queue declared on the channel."""
+        if name == "":
+            if not ch.last_queue:
+                raise ChannelError(
+                    R.NOT_FOUND, f"no previously declared queue in vhost '{conn.vhost}'"
+                )
+            return ch.last_queue
+        return name
+
+    def queue(self, conn: Connection, ch: Channel, name: str) -> Queue:
+        vh = self.vhosts[conn.vhost]
+        name = self.queue_name(conn, ch, name)
+        q = vh.queues.get(name)
+        if q is None:
+            raise ChannelError(R.NOT_FOUND, f"no queue '{name}' in vhost '{vh.name}'")
+        check_exclusive(conn, q)
+        return q
+
+    def exchange(self, conn: Connection, name: str) -> Exchange:
+        vh = self.vhosts[conn.vhost]
+        ex = vh.exchanges.get(name)
+        if ex is None:
+            raise ChannelError(R.NOT_FOUND, f"no exchange '{name}' in vhost '{vh.name}'")
+        return ex
+
+    # ------------------------------------------------------------------ exchange class
+
+    def ex_declare(self, conn: Connection, ch: Channel, m: Any) -> None:
+        vh = self.vhosts[conn.vhost]
+        name = m.exchange
+        ex = vh.exchanges.get(name)
+        if m.passive:
+            if name == "":
+                raise ChannelError(
+                    R.ACCESS_REFUSED, "operation not permitted on the default exchange"
+                )
+            if ex is None:
+                raise ChannelError(R.NOT_FOUND, f"no exchange '{name}' in vhost '{vh.name}'")
+        else:
+            if (name == "" or name.startswith("amq.")) and (ex is None or name == ""):
+                raise ChannelError(
+                    R.ACCESS_REFUSED,
+                    f"exchange name '{name}' contains reserved prefix 'amq.*'"
+                    if name
+                    else "operation not permitted on the default exchange",
+                )
+            if m.exchange_type not in EXCHANGE_TYPES:
+                raise ConnectionError_(
+                    R.COMMAND_INVALID, f"unknown exchange type '{m.exchange_type}'"
+                )
+            args = dict(m.arguments or {})
+            if ex is None:
+                ex = Exchange(
+                    name, vh.name, m.exchange_type, m.durable, m.auto_delete, m.internal, args
+                )
+                vh.exchanges[name] = ex
+            else:
+                for field, new, old in (
+                    ("type", m.exchange_type, ex.type),
+                    ("durable", m.durable, ex.durable),
+                    ("auto_delete", m.auto_delete, ex.auto_delete),
+                    ("internal", m.internal, ex.internal),
+                ):
+                    if new != old:
+                        raise ChannelError(
+                            R.PRECONDITION_FAILED,
+                            f"inequivalent arg '{field}' for exchange '{name}' in vhost "
+                            f"'{vh.name}': received {fmt(new)} but current is {fmt(old)}",
+                        )
+        if not m.nowait:
+            self._out.send_method(conn, ch.id, commands.Exchange.DeclareOk())
+
+    def ex_delete(self, conn: Connection, ch: Channel, m: Any) -> None:
+        vh = self.vhosts[conn.vhost]
+        name = m.exchange
+        if name == "" or name.startswith("amq."):
+            raise ChannelError(R.ACCESS_REFUSED, f"operation not permitted on exchange '{name}'")
+        ex = vh.exchanges.get(name)
+        if ex is not None:
+            if m.if_unused and (ex.bindings or _bound_to(vh, ex)):
+                raise ChannelError(
+                    R.PRECONDITION_FAILED, f"exchange '{name}' in vhost '{vh.name}' in use"
+                )
+            self._delete_exchange(vh, ex)
+        if not m.nowait:
+            self._out.send_method(conn, ch.id, commands.Exchange.DeleteOk())
+
+    def _delete_exchange(self, vh: VHost, ex: Exchange) -> None:
+        ex.deleted = True
+        del vh.exchanges[ex.name]
+        # Bindings from this exchange go; so do bindings to it from other exchanges.
+        for b in ex.bindings:
+            if isinstance(b.dest, Queue):
+                _drop_queue_binding(b.dest, ex.name, b.key, b.args)
+        ex.bindings.clear()
+        for other in list(vh.exchanges.values()):
+            if other.unbind_dest(ex):
+                self._maybe_auto_delete_exchange(vh, other)
+
+    def _maybe_auto_delete_exchange(self, vh: VHost, ex: Exchange) -> None:
+        if ex.auto_delete and not ex.bindings and not ex.deleted:
+            self._delete_exchange(vh, ex)
+
+    def ex_bind(self, conn: Connection, ch: Channel, m: Any) -> None:
+        dest = self.exchange(conn, m.destination)
+        src = self.exchange(conn, m.source)
+        if src.name == "" or dest.name == "":
+            raise ChannelError(R.ACCESS_REFUSED, "operation not permitted on the default exchange")
+        src.bind(dest, m.routing_key, dict(m.arguments or {}))
+        if not m.nowait:
+            self._out.send_method(conn, ch.id, commands.Exchange.BindOk())
+
+    def ex_unbind(self, conn: Connection, ch: Channel, m: Any) -> None:
+        vh = self.vhosts[conn.vhost]
+        dest = vh.exchanges.get(m.destination)
+        src = vh.exchanges.get(m.source)
+        if (
+            src is not None
+            and dest is not None
+            and src.unbind(dest, m.routing_key, dict(m.arguments or {}))
+        ):
+            self._maybe_auto_delete_exchange(vh, src)
+        if not m.nowait:
+            self._out.send_method(conn, ch.id, commands.Exchange.UnbindOk())
+
+    # ------------------------------------------------------------------ queue class
+
+    def q_declare(self, conn: Connection, ch: Channel, m: Any) -> None:
+        vh = self.vhosts[conn.vhost]
+        name = m.queue
+        if m.passive:
+            if name == "":
+                raise ChannelError(
+                    R.NOT_FOUND, f"no previously declared queue in vhost '{vh.name}'"
+                )
+            q = self.queue(conn, ch, name)
+        else:
+            if name.startswith("amq.") and name not in vh.queues:
+                raise ChannelError(
+                    R.ACCESS_REFUSED, f"queue name '{name}' contains reserved prefix 'amq.*'"
+                )
+            if name == "":
+                name = generated_name(conn, "amq.gen-")
+            existing = vh.queues.get(name)
+            args = dict(m.arguments or {})
+            now = self._clock.now_ms
+            if existing is None:
+                q = Queue(
+                    name=name,
+                    vhost=vh.name,
+                    durable=m.durable,
+                    exclusive_owner=conn.id if m.exclusive else None,
+                    auto_delete=m.auto_delete,
+                    arguments=args,
+                    last_used_ms=now,
+                )
+                apply_queue_args(q, args)
+                vh.queues[name] = q
+                if m.exclusive:
+                    conn.exclusive_queues.append(name)
+                if q.expires is not None:
+                    self.expiring[(vh.name, name)] = q
+                # Every queue is bound to the default exchange by its name (implicitly).
+            else:
+                q = existing
+                check_exclusive(conn, q, bool(m.exclusive))
+                for field, new, old in (
+                    ("durable", m.durable, q.durable),
+                    ("auto_delete", m.auto_delete, q.auto_delete),
+                ):
+                    if new != old:
+                        raise ChannelError(
+                            R.PRECONDITION_FAILED,
+                            f"inequivalent arg '{field}' for queue '{name}' in vhost "
+                            f"'{vh.name}': received {fmt(new)} but current is {fmt(old)}",
+                        )
+                for key in sorted({**args, **q.arguments}):
+                    new, cur = args.get(key), q.arguments.get(key)
+                    # Typed: true is not 1 (RabbitMQ compares the field-table types too).
+                    if (
+                        key.startswith("x-")
+                        and key in QUEUE_ARGS
+                        and (new != cur or type(new) is not type(cur))
+                    ):
+                        # RabbitMQ names the type of a value compared with an absent one.
+                        typed = new is None or cur is None
+                        raise ChannelError(
+                            R.PRECONDITION_FAILED,
+                            f"inequivalent arg '{key}' for queue '{name}' in vhost '{vh.name}': "
+                            f"received {fmt(new, typed)} but current is {fmt(cur, typed)}",
+                        )
+                q.last_used_ms = now
+        ch.last_queue = q.name
+        if not m.nowait:
+            # Encoded here, not by pamqp, which refuses names RabbitMQ accepts (output.py).
+            conn.last_tx_ms = self._clock.now_ms
+            if conn.emit:
+                self._out.emit(
+                    conn, queue_declare_ok(ch.id, q.name, len(q.messages), len(q.consumers))
+                )
+
+    def q_bind(self, conn: Connection, ch: Channel, m: Any) -> None:
+        q = self.queue(conn, ch, m.queue)
+        ex = self.exchange(conn, m.exchange)
+        if ex.name == "":
+            raise ChannelError(R.ACCESS_REFUSED, "operation not permitted on the default exchange")
+        args = dict(m.arguments or {})
+        if ex.bind(q, m.routing_key, args):
+            q.bindings.append(QueueBinding(ex.name, m.routing_key, args))
+            if ex.name == FAILOVER_EXCHANGE:
+                self.on_failover_bind(q, self.member_urls)
+        if not m.nowait:
+            self._out.send_method(conn, ch.id, commands.Queue.BindOk())
+
+    def q_unbind(self, conn: Connection, ch: Channel, m: Any) -> None:
+        vh = self.vhosts[conn.vhost]
+        q = vh.queues.get(self.queue_name(conn, ch, m.queue))
+        ex = vh.exchanges.get(m.exchange)
+        if m.exchange == "":
+            raise ChannelError(R.ACCESS_REFUSED, "operation not permitted on the default exchange")
+        if q is not None:
+            check_exclusive(conn, q)
+        if q is not None and ex is not None:
+            args = dict(m.arguments or {})
+            if ex.unbind(q, m.routing_key, args):
+                _drop_queue_binding(q, ex.name, m.routing_key, args)
+                self._maybe_auto_delete_exchange(vh, ex)
+        self._out.send_method(conn, ch.id, commands.Queue.UnbindOk())
+
+    def q_purge(self, conn: Connection, ch: Channel, m: Any) -> None:
+        q = self.queue(conn, ch, m.queue)
+        count = len(q.messages)
+        release = self._mark.release
+        for e in q.messages:
+            release(q, e)
+        q.messages.clear()
+        if not m.nowait:
+            self._out.send_method(conn, ch.id, commands.Queue.PurgeOk(message_count=count))
+
+    def q_delete(self, conn: Connection, ch: Channel, m: Any) -> None:
+        vh = self.vhosts[conn.vhost]
+        q = vh.queues.get(self.queue_name(conn, ch, m.queue))
+        count = 0
+        if q is not None:
+            check_exclusive(conn, q)
+            if m.if_unused and q.consumers:
+                raise ChannelError(
+                    R.PRECONDITION_FAILED, f"queue '{q.name}' in vhost '{vh.name}' in use"
+                )
+            if m.if_empty and q.messages:
+                raise ChannelError(
+                    R.PRECONDITION_FAILED, f"queue '{q.name}' in vhost '{vh.name}' is not empty"
+                )
+            count = len(q.messages)
+        if not m.nowait:
+            self._out.send_method(conn, ch.id, commands.Queue.DeleteOk(message_count=count))
+        if q is not None:
+            # After delete-ok, as RabbitMQ: consumers' basic.cancel must not arrive while the
+            # deleting client waits for delete-ok (py-amqp raises ConsumerCancelled then).
+            self.delete_queue(q)
+
+    def delete_queue(self, q: Queue) -> None:
+        """Delete ``q``: its bindings go, its consumers are cancelled (basic.cancel to clients
+        that asked for it), its ready messages are dropped (unacked ones stay on their
+        channels and are dropped when settled)."""
+        vh = self.vhosts[q.vhost]
+        q.deleted = True
+        vh.queues.pop(q.name, None)
+        key = (q.vhost, q.name)
+        self.ttl_queues.pop(key, None)
+        self.expiring.pop(key, None)
+        for bd in q.bindings:
+            ex = vh.exchanges.get(bd.exchange)
+            if ex is not None and ex.unbind_dest(q):
+                self._maybe_auto_delete_exchange(vh, ex)
+        q.bindings.clear()
+        for c in list(q.consumers):
+            ch = c.channel
+            ch.consumers.pop(c.tag, None)
+            detach_unacked(c)
+            conn = ch.conn
+            if conn.capabilities.get("consumer_cancel_notify") and not ch.closing:
+                self._out.send_method(conn, ch.id, commands.Basic.Cancel(consumer_tag=c.tag))
+        q.consumers.clear()
+        q.ranked_consumers = 0
+        release = self._mark.release
+        for e in q.messages:
+            release(q, e)
+        q.messages.clear()
+        if q.exclusive_owner is not None:
+            owner = self._connections.get(q.exclusive_owner)
+            if owner is not None and q.name in owner.exclusive_queues:
+                owner.exclusive_queues.remove(q.name)
+
+    def delete_exclusive(self, conn: Connection) -> None:
+        """``conn`` closes: the queues it declared exclusive go with it (spec)."""
+        vh = self.vhosts.get(conn.vhost)
+        for qname in list(conn.exclusive_queues):
+            q = vh.queues.get(qname) if vh else None
+            if q is not None and not q.deleted:
+                self.delete_queue(q)
+        conn.exclusive_queues.clear()
+
+    def expire_unused(self) -> None:
+        """On a tick: delete queues unused for longer than their x-expires."""
+        if not self.expiring:
+            return
+        now_ms = self._clock.now_ms
+        for q in list(self.expiring.values()):
+            if (
+                not q.deleted
+                and not q.consumers
+                and q.expires is not None
+                and now_ms - q.last_used_ms >= q.expires
+            ):
+                self.delete_queue(q)
+
+
+def check_exclusive(conn: Connection, q: Queue, exclusive: bool | None = None) -> None:
+    """405 unless ``conn`` may use ``q``; on a redeclare (``exclusive`` given) the flag must
+    also match, as RabbitMQ's check_exclusivity."""
+    if (q.exclusive_owner is not None and q.exclusive_owner != conn.id) or (
+        exclusive is not None and exclusive != (q.exclusive_owner is not None)
+    ):
+        raise ChannelError(
+            R.RESOURCE_LOCKED,
+            f"cannot obtain exclusive access to locked queue '{q.name}' in vhost "
+            f"'{q.vhost}'. It could be originally declared on another connection or the "
+            "exclusive property value does not match that of the original declaration.",
+        )
+
+
+def generated_name(conn: Connection, prefix: str) -> str:
+    """A server-chosen name (queue, consumer tag): deterministic, unique per (connection,
+    counter), and as opaque as RabbitMQ's names."""
+    conn.counter += 1
+    digest = hashlib.sha256(f"{conn.id}:{conn.counter}".encode()).digest()
+    return prefix + base64.urlsafe_b64encode(digest[:16]).decode().rstrip("=")
+
+
+def _bound_to(vh: VHost, ex: Exchange) -> bool:
+    return any(b.dest is ex for other in vh.exchanges.values() for b in other.bindings)
+
+
+def _drop_queue_binding(q: Queue, ex_name: str, key: str, args: dict[str, Any]) -> None:
+    for i, bd in enumerate(q.bindings):
+        if bd.exchange == ex_name and bd.routing_key == key and bd.arguments == args:
+            del q.bindings[i]
+            return
+
+
+def fmt(v: Any, typed: bool = False) -> str:
+    if v is None:
+        return "none"
+    text = ("'true'" if v else "'false'") if isinstance(v, bool) else f"'{v}'"
+    return f"the value {text} of type '{amqp_type(v)}'" if typed else text
+
+
+# Queue arguments we implement; they must match on redeclare (RabbitMQ's equivalence check).
+QUEUE_ARGS = (
+    "x-message-ttl",
+    "x-expires",
+    "x-max-length",
+    "x-max-length-bytes",
+    "x-overflow",
+    "x-dead-letter-exchange",
+    "x-dead-letter-routing-key",
+    "x-max-priority",
+    "x-queue-type",
+    "x-single-active-consumer",
+    "x-delivery-limit",
+)
+
+
+def apply_queue_args(q: Queue, args: dict[str, Any]) -> None:
+    """Validate a new queue's declare arguments (RabbitMQ's checks and wording) and set the
+    limits and policies they ask for."""
+
+    def invalid(key: str, why: str) -> ChannelError:
+        return ChannelError(
+            R.PRECONDITION_FAILED,
+            f"invalid arg '{key}' for queue '{q.name}' in vhost '{q.vhost}': {why}",
+        )
+
+    def int_arg(key: str, minimum: int) -> int | None:
+        if key not in args:
+            return None
+        v = args[key]
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise invalid(key, f"{{unacceptable_type,{type(v).__name__}}}")
+        if v < minimum:
+            raise invalid(key, f"{{value_negative,{v}}}" if v < 0 else f"{{value_zero,{v}}}")
+        return v
+
+    q.ttl = int_arg("x-message-ttl", 0)
+    q.expires = int_arg("x-expires", 1)
+    q.max_length = int_arg("x-max-length", 0)
+    q.max_length_bytes = int_arg("x-max-length-bytes", 0)
+    overflow = args.get("x-overflow", "drop-head")
+    if overflow not in ("drop-head", "reject-publish", "reject-publish-dlx"):
+        raise invalid("x-overflow", f"{{unknown_overflow,{overflow}}}")
+    q.overflow = str(overflow)
+    dlx = args.get("x-dead-letter-exchange")
+    if dlx is not None and not isinstance(dlx, str):
+        raise invalid("x-dead-letter-exchange", "{unacceptable_type,not a string}")
+    q.dlx = dlx
+    dlrk = args.get("x-dead-letter-routing-key")
+    if dlrk is not None:
+        if not isinstance(dlrk, str):
+            raise invalid("x-dead-letter-routing-key", "{unacceptable_type,not a string}")
+        if dlx is None:
+            raise invalid(
+                "x-dead-letter-routing-key", "Key x-dead-letter-exchange should be present"
+            )
+    q.dlrk = dlrk
+    qtype = args.get("x-queue-type", "classic")
+    if qtype not in ("classic", "quorum"):
+        raise invalid("x-queue-type", f"unsupported queue type '{qtype}'")
+    top = args.get("x-max-priority")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int)):
+        # (RabbitMQ words this one check differently from the others.)
+        raise invalid("x-max-priority", f'"expected integer, got {amqp_type(top)}"')
+    top = int_arg("x-max-priority", 0)
+    if top is not None and top > MAX_PRIORITY:
+        raise invalid("x-max-priority", f"{{max_value_exceeded,{top}}}")
+    if top is not None and qtype == "quorum":
+        # Every queue here is replicated, but an application written against us should
+        # still declare on RabbitMQ, whose quorum queues refuse priorities.
+        raise ChannelError(
+            R.PRECONDITION_FAILED,
+            f"invalid arg 'x-max-priority' for queue '{q.name}' in vhost '{q.vhost}' "
+            "of queue type rabbit_quorum_queue",
+        )
+    q.messages = ready_messages(args)
+    q.quorum = qtype == "quorum"
+    if q.quorum:
+        # As RabbitMQ: a quorum queue is durable and outlives its declarer.
+        for bad, prop in (
+            (not q.durable, "non-durable"),
+            (q.exclusive_owner is not None, "exclusive-owner"),
+            (q.auto_delete, "auto-delete"),
+        ):
+            if bad:
+                raise ChannelError(
+                    R.PRECONDITION_FAILED,
+                    f"invalid property '{prop}' for queue '{q.name}' in vhost '{q.vhost}'",
+                )
+    elif "x-delivery-limit" in args:
+        raise ChannelError(
+            R.PRECONDITION_FAILED,
+            f"invalid arg 'x-delivery-limit' for queue '{q.name}' in vhost '{q.vhost}' "
+            "of queue type rabbit_classic_queue",
+        )
+    q.delivery_limit = int_arg("x-delivery-limit", 0)
+    sac = args.get("x-single-active-consumer", False)
+    if not isinstance(sac, bool):
+        raise invalid("x-single-active-consumer", f"{{unacceptable_type,{amqp_type(sac)}}}")
+    q.single_active = sac
+
+
+def amqp_type(v: object) -> str:
+    """The field-table type name of a decoded argument, as RabbitMQ names it in errors."""
+    for t, name in (
+        (bool, "bool"),
+        (str, "longstr"),
+        (bytes, "longstr"),
+        (float, "double"),
+        (dict, "table"),
+        (list, "array"),
+    ):
+        if isinstance(v, t):
+            return name
+    if isinstance(v, int):
+        # What the value travelled as, as pika and most clients encode a Python int.
+        return "signedint" if -(1 << 31) <= v < (1 << 31) else "long"
+    return "void" if v is None else type(v).__name__
