@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check src tests
+.venv/bin/ruff check src tests bench scripts
+.venv/bin/ruff format --check src tests bench scripts
 .venv/bin/mypy
 # The dependency rule (pyproject.toml [tool.importlinter]): layers, pure packages, no cycles.
 .venv/bin/lint-imports --no-cache --no-logo
