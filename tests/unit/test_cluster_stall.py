@@ -83,3 +83,58 @@ def test_a_voter_that_leaves_no_longer_counts() -> None:
     assert s.on_error_check(ErrorCheck(ME, 70, OK), READY, None) == []
     (decided,) = s.members_left([B])
     assert decided.round.gone == (B,) and decided.round.seq == 70
+
+
+def test_ten_thousand_rounds_keep_the_bookkeeping_bounded_and_status_shows_the_newest() -> None:
+    """A client that makes rounds happen again and again must not grow the members' memory:
+    decided rounds are kept in a window of ROUNDS_KEPT, answers only while a round is open."""
+    import tracemalloc
+
+    from cpgbroker.cluster.errorcheck import ROUNDS_KEPT
+    from cpgbroker.cluster.stall import ROUNDS_SHOWN
+
+    s = Stall(ME)
+
+    def rounds(first: int, n: int) -> None:
+        for seq in range(first, first + n):
+            assert s.on_error_check(ErrorCheck(A, seq, "apply-error: X"), READY, None) == [
+                Answer(seq, OK)
+            ]
+            s.on_error_check(ErrorCheck(ME, seq, OK), READY, None)
+            (d,) = s.on_error_check(ErrorCheck(B, seq, OK), READY, None)
+            assert isinstance(d, Decided) and d.round.losers == (A,)
+
+    rounds(1, 1_000)
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    rounds(1_001, 9_000)
+    grown = sum(st.size_diff for st in tracemalloc.take_snapshot().compare_to(before, "filename"))
+    tracemalloc.stop()
+    assert grown < 64 * 1024, f"{grown} bytes more after 9,000 more rounds"
+    assert len(s.votes.decided) == ROUNDS_KEPT and not s.votes.pending and not s.owed
+    decided = s.status()["decided"]
+    assert len(decided) == ROUNDS_SHOWN
+    assert [r["seq"] for r in decided] == list(range(10_001 - ROUNDS_SHOWN, 10_001))
+    assert s.rounds[-1].seq == 10_000
+
+
+def test_a_late_outcome_for_a_decided_round_opens_nothing() -> None:
+    """A member that became ready while a round was open answers it after the last voter:
+    that must not open a round for the same event that nobody answers any more."""
+    from cpgbroker.cluster.errorcheck import ROUNDS_KEPT
+
+    s = Stall(ME)
+    s.on_error_check(ErrorCheck(A, 80, "apply-error: X"), READY, None)
+    s.on_error_check(ErrorCheck(ME, 80, OK), READY, None)
+    (d,) = s.on_error_check(ErrorCheck(B, 80, OK), READY, None)
+    assert isinstance(d, Decided)
+    late = 4
+    assert s.on_error_check(ErrorCheck(late, 80, OK), [*READY, late], None) == []
+    assert not s.votes.pending
+    # Also once the round has left the window of decided rounds.
+    for seq in range(100, 100 + ROUNDS_KEPT):
+        for m in (A, ME, B):
+            s.on_error_check(ErrorCheck(m, seq, OK), READY, None)
+    assert d.round not in s.votes.decided
+    assert s.on_error_check(ErrorCheck(late, 80, OK), [*READY, late], None) == []
+    assert not s.votes.pending

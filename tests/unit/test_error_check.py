@@ -338,17 +338,17 @@ def test_a_member_that_caught_up_past_an_event_the_cluster_failed_takes_a_fresh_
         gone=(),
     )
     node = newcomer(FakeQuorum())
-    node.settle_round(failed)
+    node.errorchecks.settle(failed)
     assert node.suspended is not None and "rejoining through a state update" in node.suspended
     assert node.discard_state, "its state must not be offered when it rejoins"
 
     with pytest.raises(ClusterError, match="start it again"):
-        newcomer(None).settle_round(failed)
+        newcomer(None).errorchecks.settle(failed)
 
     # Its state came from an updater that failed the event alike: nothing to do.
     same = newcomer(FakeQuorum())
     same.newcomer.installed_from = (41, m1)
-    same.settle_round(failed)
+    same.errorchecks.settle(failed)
     assert same.suspended is None and not same.discard_state
 
 

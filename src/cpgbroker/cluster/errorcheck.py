@@ -13,11 +13,23 @@ The voters of a round are the ready members when its first outcome is delivered,
 that leave before answering: every member computes the same set from the same stream, and a
 member that becomes ready later (it was catching up) is not asked about an event it never
 applied itself.
+
+Bookkeeping is bounded: a decided round is kept only among the last :data:`ROUNDS_KEPT`, and
+an outcome for a round already decided (an answer of a member that was not a voter, delivered
+after the last voter's) is ignored instead of opening a round nobody answers any more. An
+outcome for an event at or below the oldest round that fell out of that window is taken as
+such a late one too: a round for an earlier event cannot open that late (its voters answer
+as they apply events in order, and a voter stalled before it holds every later round open).
 """
 
 from __future__ import annotations
 
+import collections
+
 import attrs
+
+# Decided rounds remembered: for ``cpgbroker status`` and to recognise late outcomes.
+ROUNDS_KEPT = 100
 
 
 def majority(votes: dict[int, bytes]) -> tuple[bytes, tuple[int, ...]]:
@@ -62,10 +74,21 @@ class _Open:
 class ErrorRounds:
     def __init__(self) -> None:
         self.pending: dict[int, _Open] = {}
+        # The last ROUNDS_KEPT decided rounds, oldest first, and the highest event seq of a
+        # round that fell out of them.
+        self.decided: collections.deque[Round] = collections.deque(maxlen=ROUNDS_KEPT)
+        self._seqs: set[int] = set()
+        self._forgotten = 0
+
+    def is_decided(self, seq: int) -> bool:
+        """Whether the round for ``seq`` was decided (outcomes for it come too late)."""
+        return seq not in self.pending and (seq in self._seqs or seq <= self._forgotten)
 
     def record(self, seq: int, member: int, outcome: str, ready: list[int]) -> Round | None:
         """``member``'s outcome for ``seq``; ``ready`` are the ready members now (they become
         the voters if this opens the round). The decided round once every voter answered."""
+        if self.is_decided(seq):
+            return None
         r = self.pending.setdefault(seq, _Open(sorted(ready)))
         if member not in r.voters:
             return None  # it was not ready when the round opened
@@ -93,15 +116,27 @@ class ErrorRounds:
         del self.pending[seq]
         answered = {m: o for m, o in r.got.items() if m in r.voters}
         if not answered:
-            return Round(seq, (), "", (), tuple(sorted(r.gone)))
+            return self._keep(Round(seq, (), "", (), tuple(sorted(r.gone))))
         winner, losers = majority({m: o.encode() for m, o in answered.items()})
-        return Round(
-            seq,
-            tuple(sorted(answered.items())),
-            winner.decode(),
-            losers,
-            tuple(sorted(r.gone)),
+        return self._keep(
+            Round(
+                seq,
+                tuple(sorted(answered.items())),
+                winner.decode(),
+                losers,
+                tuple(sorted(r.gone)),
+            )
         )
+
+    def _keep(self, r: Round) -> Round:
+        decided = self.decided
+        if len(decided) == decided.maxlen:
+            old = decided[0].seq
+            self._seqs.discard(old)
+            self._forgotten = max(self._forgotten, old)
+        decided.append(r)
+        self._seqs.add(r.seq)
+        return r
 
     def waiting_for(self, seq: int) -> list[int]:
         r = self.pending[seq]

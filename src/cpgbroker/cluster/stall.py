@@ -16,14 +16,17 @@ Theory of operation
   applied resynchronises (:class:`Resync`); the member stalled at that event takes the way
   forward the majority took (:class:`Proceed`) and replays what it kept.
 
-Owns: the stalled event and the events kept behind it, the answers given and owed, the open
-rounds and the last decided ones (for status). Never applies events, writes logs or sends:
-it returns actions, and the runtime executes them.
+Owns: the stalled event and the events kept behind it, the answers given and owed for open
+rounds, the open rounds and the last decided ones (for status), all bounded by the open
+rounds plus the window of :data:`~cpgbroker.cluster.errorcheck.ROUNDS_KEPT` decided ones.
+Never applies events, writes logs or sends: it returns actions, and the runtime executes
+them.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 from typing import Any
 
 import attrs
@@ -31,7 +34,7 @@ import attrs
 from cpgbroker.cluster.codec import OK, ErrorCheck
 from cpgbroker.cluster.errorcheck import ErrorRounds, Round
 
-# Decided rounds kept for ``cpgbroker status``.
+# Decided rounds ``cpgbroker status`` shows (the newest; at most ROUNDS_KEPT are kept).
 ROUNDS_SHOWN = 20
 
 
@@ -87,11 +90,17 @@ class Stall:
         # Events delivered meanwhile, (event, sender), applied in order if it stays.
         self.kept: collections.deque[tuple[Any, int]] = collections.deque()
         self.votes = ErrorRounds()
-        # Rounds this member answered, and rounds it owes an answer once it has applied
-        # their event (it was stalled at an earlier one when they opened).
+        # Open rounds this member answered, and rounds it owes an answer once it has applied
+        # their event (it was stalled at an earlier one when they opened). Both forget a round
+        # once it is decided.
         self._answered: set[int] = set()
         self.owed: list[int] = []
-        self.rounds: collections.deque[Round] = collections.deque(maxlen=ROUNDS_SHOWN)
+
+    @property
+    def rounds(self) -> list[Round]:
+        """The newest decided rounds (at most ROUNDS_SHOWN), oldest first."""
+        decided = self.votes.decided
+        return list(itertools.islice(decided, max(0, len(decided) - ROUNDS_SHOWN), None))
 
     def applied(self, event_seq: int) -> int:
         """The last event this member vouches for: while it is stalled at a failed event, the
@@ -124,6 +133,8 @@ class Stall:
         now, ``halted`` the event this member stopped at, if a stop request stopped it."""
         if halted is not None and e.seq > halted:
             return []  # never applied it, and leaving: the round goes on without this member
+        if self.votes.is_decided(e.seq):
+            return []  # a late outcome (a member not asked): the round is over
         out: list[Answer | Decided] = []
         if e.member in ready and e.seq not in self._answered and self.me in ready:
             # Every member that delivers this has delivered event e.seq before it; it has
@@ -149,7 +160,9 @@ class Stall:
         return [self._decided(r) for r in self.votes.members_left(left)]
 
     def _decided(self, r: Round) -> Decided:
-        self.rounds.append(r)
+        self._answered.discard(r.seq)
+        if r.seq in self.owed:
+            self.owed.remove(r.seq)  # decided without us: no answer is owed any more
         return Decided(r)
 
     def settle(

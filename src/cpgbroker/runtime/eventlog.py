@@ -23,9 +23,12 @@ from cpgbroker.errors import ClusterError
 
 log = logging.getLogger("cpgbroker.member")
 
-# The kinds of fault a test can inject: fail while applying event N, or find the disk full
-# when recording event N and after.
-FAULT_KINDS = ("apply-error", "disk-full")
+# The kinds of fault a test can inject: fail while applying event N, find the disk full when
+# recording event N and after, or take ``seconds`` of CPU time to apply event N (an event
+# every member is slow in, when injected on every member: see runtime/watchdog.py).
+FAULT_KINDS = ("apply-error", "disk-full", "slow-apply")
+# The longest slow-apply a test may ask for.
+SLOW_APPLY_MAX = 600.0
 
 # Event log record types of model events (other event classes log under their class name).
 TYPE_NAMES = {
@@ -59,6 +62,8 @@ class EventLog:
         # Injected faults, kind -> the event seq they fire at (tests only). The member tests
         # ``faults`` before asking anything else, so the hot path pays one truth test.
         self.faults: dict[str, int] = {}
+        # How long the injected slow-apply takes.
+        self.slow_seconds = 0.0
 
     def write(self, rec: dict[str, Any]) -> None:
         if self.file is not None and self.failed is None:
@@ -112,16 +117,34 @@ class EventLog:
             return True
         return False
 
-    def inject(self, kind: str, at_seq: int, next_seq: int) -> dict[str, Any]:
-        """Fail at event ``at_seq``, or at ``next_seq`` (the next event) if that is passed."""
+    def before_apply(self, seq: int) -> None:
+        """Called before applying event ``seq`` while faults are injected: raise the injected
+        apply-error, or spend the injected slow-apply's time (on the CPU, as a slow event
+        does: a sleep would look like a hung member to the watchdog)."""
+        if self.take_fault("apply-error", seq):
+            raise InjectedFault("injected failure")
+        if self.take_fault("slow-apply", seq):
+            log.warning("injected slow apply of event %s: %g s", seq, self.slow_seconds)
+            end = time.monotonic() + self.slow_seconds
+            while time.monotonic() < end:
+                pass
+
+    def inject(self, kind: str, at_seq: int, next_seq: int, seconds: float = 0.0) -> dict[str, Any]:
+        """Fail at event ``at_seq``, or at ``next_seq`` (the next event) if that is passed;
+        ``seconds``: how long a slow-apply takes."""
         if kind not in FAULT_KINDS:
             raise ClusterError(f"unknown fault kind {kind!r} (known: {', '.join(FAULT_KINDS)})")
         if kind == "disk-full" and self.file is None:
             raise ClusterError("this member records nothing per event (no [cluster] event_log)")
+        if kind == "slow-apply" and not 0 < seconds <= SLOW_APPLY_MAX:
+            raise ClusterError(f"a slow-apply takes 0 < seconds <= {SLOW_APPLY_MAX:g}")
         at_seq = max(at_seq, next_seq)
         self.faults[kind] = at_seq
+        out: dict[str, Any] = {"kind": kind, "at_seq": at_seq}
+        if kind == "slow-apply":
+            self.slow_seconds = out["seconds"] = seconds
         log.warning("fault injected kind=%s at_seq=%s", kind, at_seq)
-        return {"kind": kind, "at_seq": at_seq}
+        return out
 
     def give_up(self) -> None:
         """The cluster decided that a failed write is everyone's: the log is closed, and the

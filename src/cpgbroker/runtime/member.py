@@ -21,7 +21,8 @@ what they return. Each component owns its state and never imports this module:
 * ``runtime/newcomer.py`` and ``runtime/updater.py``: the two sides of a state update;
 * ``runtime/checkpoints.py``: digest checkpoints over ``cluster/checkpoint.py``;
 * ``runtime/eventlog.py``: the event log and injected faults;
-* ``cluster/stall.py`` (pure): this member's side of error-check rounds;
+* ``runtime/errorchecks.py``: this member's side of error-check rounds, over
+  ``cluster/stall.py`` (pure);
 * ``cluster/merge.py`` (pure): partition merge verdicts; ``cluster/quorum.py``: ring gating;
 * ``runtime/stops.py``: stop requests.
 
@@ -52,7 +53,6 @@ from cpgbroker.cluster.codec import (
     StopRequest,
     UpdateRequest,
 )
-from cpgbroker.cluster.errorcheck import Round
 from cpgbroker.cluster.membership import (
     NEEDS_UPDATE,
     READY,
@@ -67,7 +67,6 @@ from cpgbroker.cluster.membership import (
 )
 from cpgbroker.cluster.merge import Partitions
 from cpgbroker.cluster.progress import PeerProgress
-from cpgbroker.cluster.stall import Answer, Leave, Proceed, Resync, Stall
 from cpgbroker.corosync.events import (
     ConfChg,
     CpgEvent,
@@ -82,7 +81,8 @@ from cpgbroker.model.events import ClientConnected, ClientData, MemberLeft, Tick
 from cpgbroker.runtime.checkpoints import Checkpointer
 from cpgbroker.runtime.confirms import ConfirmGate
 from cpgbroker.runtime.cpg_trio import TrioCpg
-from cpgbroker.runtime.eventlog import EventLog, InjectedFault
+from cpgbroker.runtime.errorchecks import ErrorChecks
+from cpgbroker.runtime.eventlog import EventLog
 from cpgbroker.runtime.multicast import Multicaster
 from cpgbroker.runtime.newcomer import Newcomer
 from cpgbroker.runtime.quorum_trio import TrioQuorum
@@ -91,6 +91,7 @@ from cpgbroker.runtime.server import Node
 from cpgbroker.runtime.settings import ServerConfig
 from cpgbroker.runtime.stops import STOP_SETTLE, Stops
 from cpgbroker.runtime.updater import DeferredUpdate, Updater
+from cpgbroker.runtime.watchdog import ApplyMark
 
 log = logging.getLogger("cpgbroker.member")
 
@@ -130,6 +131,7 @@ class ClusterNode:
         kept: tuple[Broker, int] | None = None,
         incarnation: int = 1,
         updates: dict[int, dict[str, Any]] | None = None,
+        applying: ApplyMark | None = None,
     ) -> None:
         cluster = config.cluster
         assert cluster is not None
@@ -168,11 +170,26 @@ class ClusterNode:
         self.checkpoints = Checkpointer(
             member, cluster.checkpoint_every, send, self.eventlog, self._vouches
         )
-        self.stall = Stall(member)
         self.partitions = Partitions()
         self.newcomer = Newcomer(member, self.membership, config.broker, send, self._install)
         self.updater = Updater(member, incarnation, cluster.update_rate_limit, updates)
         self.stops = Stops(member, self.multicast, self.eventlog)
+        self.errorchecks = ErrorChecks(
+            member,
+            self.membership,
+            send,
+            self.eventlog,
+            self.stops,
+            self.newcomer,
+            fail_event=self._fail_event,
+            recorded=self._report_and_digest,
+            replay=self._replay_kept,
+            resync=self._resync,
+        )
+        # Read on the hot path (one attribute load): is this member held by a round?
+        self.stall = self.errorchecks.stall
+        # The event being applied, for the watchdog's feeder thread (runtime/watchdog.py).
+        self.applying = ApplyMark() if applying is None else applying
 
     # ------------------------------------------------------------------ for the process
 
@@ -220,9 +237,10 @@ class ClusterNode:
         # again could resume stale state).
         return self.kept
 
-    def inject_fault(self, kind: str, at_seq: int) -> dict[str, Any]:
-        """Make this member fail at event ``at_seq`` (tests; ``[cluster] fault_injection``)."""
-        return self.eventlog.inject(kind, at_seq, self.broker.event_seq + 1)
+    def inject_fault(self, kind: str, at_seq: int, seconds: float = 0.0) -> dict[str, Any]:
+        """Make this member fail (or be slow) at event ``at_seq`` (tests; ``[cluster]
+        fault_injection``)."""
+        return self.eventlog.inject(kind, at_seq, self.broker.event_seq + 1, seconds)
 
     async def request_stop(self, target: int, timeout: float = 10.0) -> int:
         """Ask ``target`` (0: every member) to stop; the event seq where the request took
@@ -415,7 +433,7 @@ class ClusterNode:
             return
         if t is ErrorCheck:
             if membership.state == READY:
-                self._on_error_check(e)
+                self.errorchecks.on_error_check(e)
             return
         if t is StopRequest:
             if membership.state == READY:
@@ -444,19 +462,25 @@ class ClusterNode:
         cluster decides in an error-check round."""
         broker = self.broker
         seq = broker.event_seq + 1
+        mark = self.applying
+        mark.seq = seq
         try:
             events = self.eventlog
-            if events.faults and events.take_fault("apply-error", seq):
-                raise InjectedFault("injected failure")
+            if events.faults:
+                events.before_apply(seq)
             # A suspended member's model is about to be discarded: nothing more reaches
             # clients.
             if self.suspended is None:
                 self.io.execute(broker.apply(e))
         except Exception as exc:
+            mark.seq = 0
             # Counted as applied either way: the members that continue agree on the count.
             broker.count_failed_event(seq)
-            self._local_error(seq, f"apply-error: {type(exc).__name__}", str(exc), e, sender)
+            self.errorchecks.local_error(
+                seq, f"apply-error: {type(exc).__name__}", str(exc), e, sender
+            )
             return
+        mark.seq = 0
         if type(e) is ClientConnected and e.member != self.member:
             broker.set_emit(e.conn, False)
         self._after_apply(e, sender)
@@ -473,14 +497,14 @@ class ClusterNode:
                 # This member could not record the event: the others may have. Whether it
                 # may go on is the cluster's call.
                 name = errno.errorcode.get(err.errno or 0, "EIO")
-                self._local_error(seq, f"store-write: {name}", str(err), e, sender)
+                self.errorchecks.local_error(seq, f"store-write: {name}", str(err), e, sender)
                 return
         self._report_and_digest()
 
     def _report_and_digest(self) -> None:
         seq = self.broker.event_seq
         if self.stall.owed:
-            self._answer(self.stall.pay_owed(seq))
+            self.errorchecks.pay_owed(seq)
         if seq % self.progress.every == 0:
             self.multicast.send_control(codec.encode(Progress(self.member, seq)))
         if seq % self.checkpoints.every == 0:
@@ -525,8 +549,7 @@ class ClusterNode:
         self.newcomer.members_left(left)
         if left and self.membership.state == READY:
             self.checkpoints.members_changed(self.membership.ready_members)
-            for d in self.stall.members_left(left):
-                self.settle_round(d.round)
+            self.errorchecks.members_left(left)
 
     def _on_partition_merge(self, ev: PartitionMerge) -> None:
         """Two sides of a partition merged: neither saw what the other applied meanwhile.
@@ -664,90 +687,23 @@ class ClusterNode:
 
     # ------------------------------------------------------------------ error-check rounds
 
-    def _answer(self, answers: list[Answer]) -> None:
-        for a in answers:
-            self.multicast.send_control(codec.encode(ErrorCheck(self.member, a.seq, a.outcome)))
-
-    def _local_error(self, seq: int, outcome: str, detail: str, e: Any, sender: int) -> None:
-        """This member failed to apply (or record) event ``seq`` and the stream does not say
-        why: stop applying here and let the cluster decide (cluster/errorcheck.py).
-
-        ``outcome`` is what members vote on: the kind and the exception class or errno name,
-        never the message (which may hold addresses or paths that differ between members
-        failing alike); ``detail`` goes to the logs."""
-        if self.member not in self.membership.ready_members:
-            # Not serving yet (catching up after an update): nobody relies on this member.
-            raise ClusterError(f"failed at event {seq} while catching up: {outcome}: {detail}")
-        log.error(
-            "error at event %s: %s (%s); holding until the error-check round decides",
-            seq,
-            outcome,
-            detail,
+    def _fail_event(self, e: Any, sender: int) -> None:
+        """The cluster failed event ``e`` alike: close its connection, as every member that
+        failed it does, and go on as after an applied event."""
+        self.io.execute(
+            self.broker.fail_event(e, "internal error while processing this connection")
         )
-        answer = self.stall.fail(seq, outcome, e, sender)
-        self.eventlog.write(
-            {"type": "error", "seq": seq, "outcome": outcome, "detail": detail[:500]}
-        )
-        self._answer([answer])
+        self._after_apply(e, sender)
 
-    def _on_error_check(self, e: ErrorCheck) -> None:
-        actions = self.stall.on_error_check(e, self.membership.ready_members, self.stops.halted)
-        for a in actions:
-            if type(a) is Answer:
-                self._answer([a])
-            else:
-                self.settle_round(a.round)  # type: ignore[union-attr]
-
-    def settle_round(self, r: Round) -> None:
-        """A decided error-check round: record it, then take this member's way forward."""
-        self.eventlog.write({"type": "error-check", **r.as_dict()})
-        (log.info if not r.losers else log.error)(
-            "error-check round decided seq=%s decision=%r outcomes=%s leaving=%s",
-            r.seq,
-            r.decision,
-            dict(r.outcomes),
-            list(r.losers),
-        )
-        halted = self.stops.halted is not None
-        for a in self.stall.settle(r, halted, self.newcomer.installed_from):
-            if type(a) is Leave:
-                raise ClusterError(a.reason)
-            if type(a) is Resync:
-                # Nothing else is wrong with it: it takes a fresh state update in this
-                # process, as a member merged back on the smaller side does.
-                self._resync(
-                    f"{a.reason}; rejoining through a state update",
-                    f"{a.reason}; leaving: start it again to take a fresh update",
-                )
-                return
-            assert type(a) is Proceed
-            # The majority failed here alike: take the same way forward as all of them.
-            if a.outcome.startswith("apply-error"):
-                self.io.execute(
-                    self.broker.fail_event(
-                        a.event, "internal error while processing this connection"
-                    )
-                )
-                self._after_apply(a.event, a.sender)
-            else:
-                log.error("event log disabled after a failed write: %s", a.outcome)
-                self.eventlog.give_up()
-                self._report_and_digest()
-            self._replay_stalled()
-
-    def _replay_stalled(self) -> None:
-        """Apply what was delivered while this member waited for a round, in order, until it
-        is held again or nothing is left."""
-        stall = self.stall
-        while self.stops.halted is None and (item := stall.next_kept()) is not None:
-            e, sender = item
-            t = type(e)
-            if t is DeferredUpdate:
-                self.updater.fork(e.request, e.members, self.broker)
-            elif t is StopRequest:
-                self._on_stop_request(e)
-            else:
-                self._apply_stream(e, sender)
+    def _replay_kept(self, e: Any, sender: int) -> None:
+        """One item kept while this member was held by an error-check round."""
+        t = type(e)
+        if t is DeferredUpdate:
+            self.updater.fork(e.request, e.members, self.broker)
+        elif t is StopRequest:
+            self._on_stop_request(e)
+        else:
+            self._apply_stream(e, sender)
 
     # ------------------------------------------------------------------ stop requests
 

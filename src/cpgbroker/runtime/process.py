@@ -32,6 +32,8 @@ from cpgbroker.runtime.member import (
 )
 from cpgbroker.runtime.quorum_trio import TrioQuorum, open_quorum
 from cpgbroker.runtime.server import (
+    CLOSE_LINGER,
+    RECV_SIZE,
     forced_close_frame,
     model_status,
     open_listeners,
@@ -100,6 +102,8 @@ class MemberProcess:
         # (model, ring seq) kept from an incarnation that served until quorum was lost.
         self.kept: tuple[Broker, int] | None = None
         self.watchdog: Any = None
+        # The event being applied, shared by every incarnation with the watchdog's feeder.
+        self.applying = watchdog.ApplyMark()
         # Updater children of every incarnation (see runtime/updater.py), reaped here.
         self.updates: dict[int, dict[str, Any]] = {}
 
@@ -128,7 +132,11 @@ class MemberProcess:
         out["watchdog"] = (
             None
             if self.watchdog is None
-            else {"pid": self.watchdog.pid, "timeout": self.cluster.watchdog_timeout}
+            else {
+                "pid": self.watchdog.pid,
+                "timeout": self.cluster.watchdog_timeout,
+                "max_apply_seconds": self.cluster.max_apply_seconds,
+            }
         )
         if self.last_suspension is not None:
             out["last_suspension"] = self.last_suspension
@@ -136,7 +144,7 @@ class MemberProcess:
 
     async def control(self, path: str, args: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """``POST /stop`` {"member": ID} (none: the whole cluster) and ``POST /faults``
-        {"kind", "at_seq"} from the status endpoint."""
+        {"kind", "at_seq", "seconds"} from the status endpoint."""
         node = self.node
         if node is None or not node.serving or node.halted is not None:
             return 409, {"error": f"this member does not serve ({self.phase}): ask another"}
@@ -151,6 +159,7 @@ class MemberProcess:
                 return 200, node.inject_fault(
                     str(args.get("kind")),
                     admin.json_int(args, "at_seq", node.broker.event_seq + 1),
+                    float(args.get("seconds", 0.0)),
                 )
         except (ClusterError, ValueError, TypeError) as e:
             return 400, {"error": str(e)}
@@ -160,11 +169,20 @@ class MemberProcess:
 
     async def feed_watchdog(self) -> None:
         """Signs of life for the watchdog process, from the event loop that processes the
-        stream: if that loop blocks or the process stops, the feeding stops."""
+        stream: if that loop blocks or the process stops, the feeding stops. While the loop
+        is inside one long event, a thread feeds for it as long as it makes progress
+        (``runtime/watchdog.py``, "Slow events are not hangs")."""
         period = self.cluster.watchdog_timeout / 5
-        while True:
-            watchdog.feed(self.watchdog)
-            await trio.sleep(period)
+        feeder = watchdog.BusyFeeder(
+            self.watchdog, self.applying, period, self.cluster.max_apply_seconds
+        )
+        feeder.start()  # from this thread: it watches the event loop thread's CPU time
+        try:
+            while True:
+                watchdog.feed(self.watchdog)
+                await trio.sleep(period)
+        finally:
+            feeder.stop()
 
     async def handle_client(self, stream: trio.SocketStream) -> None:
         node = self.node
@@ -282,6 +300,7 @@ class MemberProcess:
                 kept=self.kept,
                 incarnation=self.incarnations,
                 updates=self.updates,
+                applying=self.applying,
             )
             self.node = node
             unregister = self.quorum.on_loss(node.on_quorum_loss)
@@ -474,13 +493,21 @@ async def _first_of(*events: trio.Event) -> None:
 
 async def refuse(stream: trio.SocketStream, text: str) -> None:
     """Turn away a client while this member does not serve: read its protocol header, answer
-    connection.close 320 with the reason (clients report it; failover clients move on), close."""
-    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+    connection.close 320 with the reason (clients report it; failover clients move on), then
+    linger as a closed connection does (``runtime/server.py``, CLOSE_LINGER): end of stream,
+    and read and discard what the client still sends (its close-ok, frames it wrote after its
+    header) until it closes, at most CLOSE_LINGER seconds, so that closing with unread input
+    does not reset the connection and destroy the close before the client reads it."""
+    with contextlib.suppress(
+        trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError, OSError
+    ):
         with trio.move_on_after(2):
             await stream.receive_some(8)
             await stream.send_all(forced_close_frame(text))
-            with trio.move_on_after(0.5):
-                await stream.receive_some(4096)  # its close-ok, or EOF
+        with trio.move_on_after(CLOSE_LINGER):
+            await stream.send_eof()
+            while await stream.receive_some(RECV_SIZE):
+                pass
     await stream.aclose()
 
 

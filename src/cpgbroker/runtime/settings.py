@@ -43,6 +43,14 @@ class ClusterConfig:
     # Seconds a member may go without processing events before its watchdog process kills
     # it (a hung member must not hold the others back); 0 disables the watchdog.
     watchdog_timeout: float = 30.0
+    # Seconds one event of the stream may take to apply while the watchdog keeps the member
+    # alive (runtime/watchdog.py): while the member is inside one event and its event loop
+    # thread keeps using CPU, a thread feeds the watchdog for it, because every member is
+    # then as slow in that same event and killing them all would leave no member. A member
+    # stopped, swapping or deadlocked in an event uses no CPU and is still killed after
+    # ``watchdog_timeout``; one that loops for longer than this is killed that much later.
+    # 0: the watchdog is fed by the event loop only.
+    max_apply_seconds: float = 300.0
     # Accept ``POST /faults`` on the status endpoint (make this member fail at a chosen event,
     # or find its disk full): for tests of the cluster's error handling, never in production.
     fault_injection: bool = False
@@ -157,6 +165,7 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             update_rate_limit=float(c.get("update_rate_limit", 0.0)),
             checkpoint_every=int(c.get("checkpoint_every", 10_000)),
             watchdog_timeout=float(c.get("watchdog_timeout", 30.0)),
+            max_apply_seconds=float(c.get("max_apply_seconds", 300.0)),
             fault_injection=bool(c.get("fault_injection", False)),
         )
         if cluster.update_listen:
@@ -173,6 +182,7 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             "update_rate_limit",
             "checkpoint_every",
             "watchdog_timeout",
+            "max_apply_seconds",
             "fault_injection",
         )
         unknown_c = sorted(k for k in c if k not in known_keys)
@@ -184,6 +194,8 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             raise ConfigError("cluster.checkpoint_every must be at least 1")
         if cluster.watchdog_timeout < 0:
             raise ConfigError("cluster.watchdog_timeout must be 0 (off) or positive")
+        if cluster.max_apply_seconds < 0:
+            raise ConfigError("cluster.max_apply_seconds must be 0 (off) or positive")
         if not isinstance(c.get("fault_injection", False), bool):
             raise ConfigError("cluster.fault_injection must be true or false")
     admin_listen = str(server.get("admin", ""))
