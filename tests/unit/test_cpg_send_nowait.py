@@ -4,6 +4,7 @@ for ``send``, and a fatal error reaches the tasks that receive or send."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -67,3 +68,30 @@ async def test_a_fatal_error_is_raised_to_the_receiver_not_the_caller() -> None:
     with pytest.raises(CpgConnectionLost):
         await cpg.send(b"c")
     assert stub.sent == []
+
+
+async def test_a_call_answered_while_the_event_loop_was_busy_is_not_a_hang() -> None:
+    """The deadline of a guarded call passes while the event loop is blocked in a long event
+    (every member is, in the same event); the call itself answered at once: its result counts,
+    the handle is not abandoned."""
+    cpg, stub = adapter()
+    cpg.call_timeout = 0.2
+    answered = trio.Event()
+    got: list[int] = []
+
+    def corosync_answers() -> int:
+        time.sleep(0.1)  # answers while the loop is busy, well before the call's deadline
+        return 42
+
+    async def caller() -> None:
+        got.append(await cpg.call(corosync_answers))
+        answered.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(caller)
+        await trio.sleep(0.05)  # the call is in its worker thread
+        time.sleep(0.5)  # the loop busy past the call's deadline, as in a slow event
+        with trio.fail_after(5):
+            await answered.wait()
+    assert got == [42]
+    assert cpg.failure is None
