@@ -74,7 +74,7 @@ async def test_a_call_answered_while_the_event_loop_was_busy_is_not_a_hang() -> 
     """The deadline of a guarded call passes while the event loop is blocked in a long event
     (every member is, in the same event); the call itself answered at once: its result counts,
     the handle is not abandoned."""
-    cpg, stub = adapter()
+    cpg, _stub = adapter()
     cpg.call_timeout = 0.2
     answered = trio.Event()
     got: list[int] = []
