@@ -5,6 +5,7 @@ connection (encodes output) or shadows it, and never raise out of ``Broker.apply
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import pytest
 from pamqp import commands as C
@@ -89,3 +90,199 @@ def test_deleting_a_queue_under_a_consumer_restores_exactly(reuse_tag: bool) -> 
     restored = S.restore(S.snapshot(h.broker))
     assert_indistinguishable(h.broker, restored)
     assert S.digest(restored) == S.digest(h.broker)
+
+
+# ---------------------------------------------------------------------------------------------
+# Malformed input that once escaped the codec as an exception (an error-check round and 541
+# INTERNAL_ERROR on every member), and reply codes that now follow RabbitMQ 3.10.
+
+
+def _codes(c: Client) -> list[tuple[str, int]]:
+    from modelclient import close_codes
+
+    return close_codes(bytes(c.h.out.pop(c.conn, b"")))
+
+
+def _both(send: Any) -> list[tuple[str, int]]:
+    """Run ``send(client)`` on an owner and a shadow replica: no exception, same state."""
+    from modelclient import close_codes
+
+    digests, codes = [], []
+    for emit in (True, False):
+        h, c = _client(emit)
+        c.recv()
+        send(c)
+        digests.append(S.digest(h.broker))
+        codes.append(close_codes(bytes(h.out.pop(1, b""))))
+    assert digests[0] == digests[1]
+    return codes[0]
+
+
+def _publish_with_header(hp: bytes) -> Any:
+    pm = frame(1, 1, struct.pack(">HHH", 60, 40, 0) + b"\x00\x01q\x00")
+    return lambda c: c.send_raw(pm + frame(2, 1, hp) + frame(3, 1, b"x"))
+
+
+@pytest.mark.parametrize("n", [0, 4, 11, 12, 13])
+def test_a_content_header_shorter_than_its_fixed_part_is_501(n: int) -> None:
+    hp = struct.pack(">HHQH", 60, 0, 1, 0)[:n]
+    assert _both(_publish_with_header(hp)) == [("connection", 501)]
+
+
+def test_a_content_header_for_another_class_is_505() -> None:
+    assert _both(_publish_with_header(struct.pack(">HHQH", 50, 0, 1, 0))) == [("connection", 505)]
+
+
+def test_a_content_header_with_a_weight_is_505() -> None:
+    assert _both(_publish_with_header(struct.pack(">HHQH", 60, 1, 1, 0))) == [("connection", 505)]
+
+
+def test_a_heartbeat_with_a_payload_is_501_and_on_a_channel_505() -> None:
+    assert _both(lambda c: c.send_raw(frame(8, 0, b"x"))) == [("connection", 501)]
+    assert _both(lambda c: c.send_raw(frame(8, 1, b""))) == [("connection", 505)]
+
+
+def test_a_non_connection_method_on_channel_0_is_504() -> None:
+    assert _both(lambda c: c.send(0, C.Basic.Qos(prefetch_count=1))) == [("connection", 504)]
+
+
+def _deep(depth: int) -> bytes:
+    from modelclient import deep_table
+
+    return deep_table(depth)
+
+
+def test_deep_client_properties_before_authentication_are_502_not_a_recursion_error() -> None:
+    for emit in (True, False):
+        h = Harness()
+        c = h.connect(1)
+        h.broker.set_emit(1, emit)
+        c.send_raw(b"AMQP\x00\x00\x09\x01")
+        tbl = _deep(5000)
+        args = tbl + b"\x05PLAIN" + struct.pack(">I", 12) + b"\0guest\0guest" + b"\x05en_US"
+        c.send_raw(frame(1, 0, struct.pack(">HH", 10, 11) + args))
+        if emit:
+            assert _codes(c) == [("connection", 502)]
+
+
+def test_deep_amqplain_response_is_refused_as_a_login() -> None:
+    h = Harness()
+    c = h.connect(1)
+    c.send_raw(b"AMQP\x00\x00\x09\x01")
+    tbl = _deep(3000)
+    resp = tbl[4:]
+    args = (
+        struct.pack(">I", 0) + b"\x08AMQPLAIN" + struct.pack(">I", len(resp)) + resp + b"\x05en_US"
+    )
+    c.send_raw(frame(1, 0, struct.pack(">HH", 10, 11) + args))
+    assert _codes(c) == [("connection", 403)]
+
+
+@pytest.mark.parametrize("depth", [101, 2000])
+def test_deep_declare_arguments_are_502(depth: int) -> None:
+    q = b"\x01q"
+    args = struct.pack(">HHH", 50, 10, 0) + q + b"\x00" + _deep(depth)
+    assert _both(lambda c: c.send_raw(frame(1, 1, args))) == [("connection", 502)]
+
+
+def _headers_header(table: bytes, flags: int = 0x2000) -> bytes:
+    return struct.pack(">HHQH", 60, 0, 1, flags) + table
+
+
+@pytest.mark.parametrize(
+    "table",
+    [
+        _deep(101),
+        _deep(3000),
+        struct.pack(">I", 100) + b"\x01aS",  # length past the frame
+        struct.pack(">I", 3) + b"\x01a?",  # unknown type
+        struct.pack(">I", 8) + b"\x01aS\x00\x00\x00\x09",  # value past its table
+        struct.pack(">I", 3) + b"\x01\xff" + b"t",  # key not UTF-8
+        struct.pack(">I", 11) + b"\x01aT" + struct.pack(">Q", 2**64 - 1),  # year > 9999
+        struct.pack(">I", 9) + b"\x01aS\x00\x00\x00\x02\xff\xfe",  # not UTF-8: not re-encodable
+        struct.pack(">I", 8) + b"\x01aD\x00\xff\xff\xff\xff",  # mantissa > 2**31-1
+        struct.pack(">I", 11) + b"\x01ad" + struct.pack(">d", 1e300),  # beyond float32
+    ],
+)
+def test_a_poison_headers_table_is_refused_at_publish_with_501(table: bytes) -> None:
+    assert _both(_publish_with_header(_headers_header(table))) == [("connection", 501)]
+
+
+def test_a_short_string_property_that_is_not_utf8_is_501() -> None:
+    hp = struct.pack(">HHQH", 60, 0, 1, 0x8000) + b"\x02\xff\xfe"
+    assert _both(_publish_with_header(hp)) == [("connection", 501)]
+
+
+@pytest.mark.parametrize(
+    "xdeath", [5, 1.5, {"x": [{"count": "many", "queue": "q", "reason": "expired"}]}]
+)
+def test_an_x_death_header_dead_lettering_could_not_count_is_406(xdeath: Any) -> None:
+    from pamqp import encode
+
+    value = xdeath["x"] if isinstance(xdeath, dict) else xdeath
+    table = encode.field_table({"x-death": value})
+    codes = _both(_publish_with_header(_headers_header(table)))
+    assert codes == [("channel", 406)]
+
+
+def test_messages_accepted_at_publish_survive_headers_routing_dead_letters_and_ttl() -> None:
+    """Every value type pamqp knows, nested, through a headers exchange, then expired into a
+    dead-letter queue whose consumer is another client: nobody gets a close."""
+    h = Harness()
+    pub = h.connect(1)
+    pub.handshake()
+    pub.channel(1)
+    pub.send(1, C.Exchange.Declare(exchange="dlx", exchange_type="fanout"))
+    pub.send(1, C.Exchange.Declare(exchange="hx", exchange_type="headers"))
+    pub.send(1, C.Queue.Declare(queue="dead"))
+    pub.send(1, C.Queue.Bind(queue="dead", exchange="dlx"))
+    pub.send(
+        1,
+        C.Queue.Declare(
+            queue="ttl", arguments={"x-message-ttl": 0, "x-dead-letter-exchange": "dlx"}
+        ),
+    )
+    pub.send(1, C.Queue.Bind(queue="ttl", exchange="hx", arguments={"x-match": "any", "k": 1}))
+    other = h.connect(2)
+    other.handshake()
+    other.channel(1)
+    other.send(1, C.Basic.Consume(queue="dead", no_ack=True))
+    import datetime
+    import decimal
+
+    headers = {
+        "k": 1,
+        "deep": _nested(98),
+        "all": [
+            True,
+            -5,
+            70000,
+            2**40,
+            1.5,
+            decimal.Decimal("1.25"),
+            "é",
+            bytearray(b"\xff"),
+            None,
+            datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC),
+            {"x-death": 1},
+        ],
+        "x-death": [{"count": 2, "queue": "ttl", "reason": "expired"}, "junk"],
+    }
+    pub.publish(
+        1,
+        "hx",
+        "",
+        b"m",
+        props=C.Basic.Properties(headers=headers, timestamp=datetime.datetime(2020, 1, 1)),
+    )
+    h.tick(10)
+    assert not [m for m in pub.methods() if isinstance(m, C.Connection.Close | C.Channel.Close)]
+    got = other.deliveries()
+    assert [b for _m, b in got] == [b"m"]
+
+
+def _nested(depth: int) -> Any:
+    v: Any = {}
+    for _ in range(depth):
+        v = {"a": v}
+    return v

@@ -25,6 +25,7 @@ from cpgbroker.model.entities import (
     Connection,
     Consumer,
     Entry,
+    IdList,
     Message,
     PendingPublish,
     PriorityMessages,
@@ -115,6 +116,9 @@ def same(a: Any, b: Any, path: str, seen: dict[tuple[int, int], None]) -> None:
         assert list(a) == list(b), f"{path}: keys {list(a)} vs {list(b)}"
         for k in a:
             same(a[k], b[k], f"{path}[{k!r}]", seen)
+    elif isinstance(a, IdList):
+        assert isinstance(b, IdList), f"{path}: {type(b).__name__}"
+        same(list(a), list(b), path, seen)
     elif isinstance(a, list | tuple | collections.deque):
         assert len(a) == len(b), f"{path}: length {len(a)} vs {len(b)}"
         for i, (x, y) in enumerate(zip(a, b, strict=True)):

@@ -21,21 +21,24 @@ connection protocol turns it into a close at exactly one place (``connection.py`
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from typing import Any
 
 from pamqp import commands
 from pamqp.exceptions import PAMQPException
 
-from cpgbroker.errors import AMQPError, ConnectionError_, ReplyCode
+from cpgbroker.errors import AMQPError, ChannelError, ConnectionError_, ReplyCode
 from cpgbroker.model import entities as E
 from cpgbroker.model.confirms import Confirms
 from cpgbroker.model.consumers import Consumers
 from cpgbroker.model.delivery import Delivery
 from cpgbroker.model.entities import Channel, Connection
+from cpgbroker.model.limits import check_channel_open
 from cpgbroker.model.output import Output
 from cpgbroker.model.topology import Topology
 from cpgbroker.model.transactions import Transactions
+from cpgbroker.wire.tables import check_fields
 
 R = ReplyCode
 
@@ -86,6 +89,10 @@ def decode_method(payload: bytes, index: int) -> Any:
         )
     method = cls()
     try:
+        types = _table_args(cls)
+        if types is not None:
+            # pamqp decodes tables recursively: check them iteratively first (wire/tables.py).
+            check_fields(types, payload, 4)
         method.unmarshal(payload[4:])
         # 0-9-1 turned these 0-8 fields into reserved ones the server must ignore, and
         # real clients still fill them (pika sends insist=True); pamqp's validate()
@@ -105,18 +112,53 @@ def decode_method(payload: bytes, index: int) -> Any:
                 setattr(method, f, v)
         else:
             method.validate()
-    except (PAMQPException, ValueError, TypeError, IndexError, KeyError, UnicodeError) as e:
+    except (
+        PAMQPException,
+        ValueError,
+        TypeError,
+        IndexError,
+        KeyError,
+        UnicodeError,
+        struct.error,
+        OverflowError,
+    ) as e:
         raise ConnectionError_(
             R.SYNTAX_ERROR,
             f"malformed {method_name(index)} arguments: {e}",
             class_id=index >> 16,
             method_id=index & 0xFFFF,
         ) from None
+    if index in _BINDS and isinstance(method.arguments.get("x-match"), bytes):
+        # A long string that is not UTF-8 (pamqp gives bytes): the headers exchange could not
+        # read it when routing. RabbitMQ refuses x-match values it does not know with 406.
+        raise ChannelError(
+            R.PRECONDITION_FAILED,
+            "invalid x-match field value",
+            class_id=index >> 16,
+            method_id=index & 0xFFFF,
+        )
     return method
 
 
+def _table_args(cls: type) -> tuple[str, ...] | None:
+    """The AMQP types of ``cls``'s arguments in order if one of them is a table, else None."""
+    try:
+        return _table_args_by_class[cls]
+    except KeyError:
+        pass
+    slots = getattr(cls, "__slots__", ())
+    types = tuple(str(getattr(cls, "_" + name)) for name in slots)
+    found = types if "table" in types else None
+    _table_args_by_class[cls] = found
+    return found
+
+
+_table_args_by_class: dict[type, tuple[str, ...] | None] = {}
+_BINDS = frozenset({commands.Queue.Bind.index, commands.Exchange.Bind.index})
+
+
 class Channels:
-    __slots__ = ("_confirms", "_consumers", "_delivery", "_handlers", "_out")
+    __slots__ = ("_confirms", "_consumers", "_delivery", "_handlers", "_limits", "_out")
 
     def __init__(
         self,
@@ -131,6 +173,7 @@ class Channels:
         self._delivery = delivery
         self._consumers = consumers
         self._confirms = confirms
+        self._limits = topology.limits
         C = commands
         # Methods a client may send on a channel, by index, and who handles them.
         self._handlers: dict[int, Handler] = {
@@ -191,6 +234,7 @@ class Channels:
                     class_id=cls_id,
                     method_id=index & 0xFFFF,
                 )
+            check_channel_open(self._limits, conn, cls_id, index & 0xFFFF)
             decode_method(payload, index)
             channel = Channel(ch, conn, prefetch_count=0)
             conn.channels[ch] = channel
@@ -261,7 +305,7 @@ class Channels:
         consumers = self._consumers
         # As in RabbitMQ, the consumer that takes over a single-active-consumer queue gets the
         # requeued messages before the rest: requeue first, then hand over.
-        handover = [c.queue for c in list(ch.consumers.values()) if consumers.remove_consumer(c)]
+        handover = consumers.remove_consumers(list(ch.consumers.values()))
         ch.consumers.clear()
         ch.pending = None
         ch.tx_ops.clear()

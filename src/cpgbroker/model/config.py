@@ -14,6 +14,10 @@ class User:
     # RabbitMQ's rule for the default user: guest may only log in from loopback.
     loopback_only: bool = False
     tags: tuple[str, ...] = ()
+    # RabbitMQ's user limits (rabbitmqctl set_user_limits): connections of this user across
+    # the cluster, and channels across all of them. None: no limit (RabbitMQ's -1).
+    max_connections: int | None = None
+    max_channels: int | None = None
 
 
 @attrs.frozen
@@ -34,6 +38,21 @@ class BrokerConfig:
     # (connection.blocked), and resume below low_watermark_ratio of it.
     high_watermark_bytes: int = 512 * 1024 * 1024
     low_watermark_ratio: float = 0.8
+    # Limits per vhost (each vhost gets the same; None: none). Every member holds, snapshots
+    # and transfers to newcomers everything every client creates, and a cluster is only as
+    # fast as its slowest member, so the defaults are sized for a 2-core member (measured with
+    # bench/model_cost_bench.py: declare, delete, bind and unbind cost a few to some tens of
+    # µs each whatever exists, so these bound memory and state-transfer time, not per-command
+    # time). RabbitMQ's max-queues and max-connections (406 / 530 with its texts), and
+    # cpgbroker's own caps on exchanges and bindings, which RabbitMQ leaves unlimited:
+    # - connections: every tick (tick_ms) walks the connections for heartbeats, ~0.1 µs each;
+    vhost_max_connections: int | None = 10_000
+    # - queues, exchanges: ~1-2 KiB of model state each plus their snapshot part; 50,000 of
+    #   each transfer to a newcomer in a few seconds;
+    vhost_max_queues: int | None = 50_000
+    vhost_max_exchanges: int | None = 50_000
+    # - bindings: a few hundred bytes each (binding, queue record, indexes).
+    vhost_max_bindings: int | None = 200_000
     product: str = "cpgbroker"
     version: str = "0.1.0"
     cluster_name: str = ""

@@ -54,6 +54,7 @@ from cpgbroker.model.entities import (
     Connection,
 )
 from cpgbroker.model.events import ClientConnected
+from cpgbroker.model.limits import check_connection_open
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output
 from cpgbroker.model.topology import Topology
@@ -68,6 +69,7 @@ from cpgbroker.wire.framer import (
     PROTOCOL_HEADER,
     FrameReader,
 )
+from cpgbroker.wire.tables import TableError, check_table
 
 R = ReplyCode
 
@@ -150,6 +152,7 @@ class Connections:
         self._out = out
         self._mark = mark
         self._topology = topology
+        topology.limits.configure(config)
         self._channels = channels
         # Bound once: the per-frame routes.
         self._send_method = out.send_method
@@ -260,8 +263,14 @@ class Connections:
                 f"unexpected {method_name(index)} on channel {ch} before connection.open",
             )
         if ftype == FRAME_HEARTBEAT:
+            # As RabbitMQ: a heartbeat with a payload is malformed (501); a well-formed one on
+            # a channel other than 0 is a frame out of place (505).
+            if payload:
+                raise FrameError(f"heartbeat frame with a {len(payload)}-byte payload")
             if ch != 0:
-                raise FrameError(f"heartbeat frame on channel {ch}")
+                if conn.state == CLOSING:
+                    return
+                raise ConnectionError_(R.UNEXPECTED_FRAME, f"heartbeat frame on channel {ch}")
             return
         if conn.state != OPEN:
             if conn.state == CLOSING:
@@ -294,8 +303,10 @@ class Connections:
                 self.drop(conn, "connection closed", notify=True)
             return
         if index >> 16 != CONNECTION_CLASS:
+            # RabbitMQ (and the spec's "work with a channel that had not been correctly
+            # opened"): 504 CHANNEL_ERROR.
             raise ConnectionError_(
-                R.COMMAND_INVALID,
+                R.CHANNEL_ERROR,
                 f"{method_name(index)} is not allowed on channel 0",
                 class_id=index >> 16,
                 method_id=index & 0xFFFF,
@@ -367,11 +378,15 @@ class Connections:
                     parts[2].decode(errors="replace"),
                 )
         elif mechanism == "AMQPLAIN":
+            # An unauthenticated client's table: checked iteratively before pamqp sees it.
+            data = len(raw).to_bytes(4, "big") + raw
             try:
-                table = decode.field_table(len(raw).to_bytes(4, "big") + raw)[1]
-                user, password = str(table.get("LOGIN")), str(table.get("PASSWORD"))
-            except Exception:
+                check_table(data, 0, len(data))
+            except TableError:
                 user = None
+            else:
+                table = decode.field_table(data)[1]
+                user, password = str(table.get("LOGIN")), str(table.get("PASSWORD"))
         else:
             self._refuse_login(conn, f"unsupported authentication mechanism '{mechanism}'")
             return
@@ -434,6 +449,7 @@ class Connections:
             raise ConnectionError_(
                 R.NOT_ALLOWED, f"access to vhost '{vhost}' refused for user '{conn.user}'"
             )
+        check_connection_open(self._topology.limits, conn, vhost)
         conn.vhost = vhost
         conn.state = OPEN
         conn.close_deadline = None

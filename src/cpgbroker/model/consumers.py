@@ -136,6 +136,74 @@ class Consumers:
             self._topology.delete_queue(q)
         return handover
 
+    def remove_consumers(self, cs: list[Consumer]) -> list[Queue]:
+        """Remove the consumers of one channel (it closes) at once; returns the queues to
+        dispatch, as :meth:`remove_consumer` called for each in turn would have said (True
+        gives the queue). Cost: the channel's unacked deliveries once and each queue's
+        consumer list once, not once per consumer (a channel with many consumers on one
+        queue made closing it quadratic)."""
+        if not cs:
+            return []
+        ch = cs[0].channel
+        gone = {id(c): c for c in cs}
+        if any(c.unacked for c in cs):
+            unacked = ch.unacked
+            for tag, (dq, e, dc) in unacked.items():
+                if dc is not None and id(dc) in gone:
+                    unacked[tag] = (dq, e, None)
+            for c in cs:
+                c.unacked = 0
+        now = self._clock.now_ms
+        handover: list[Queue] = []
+        # Per queue: its consumers before, the ids of those of ``cs`` that were on it, and
+        # how many of them were removed so far in ``cs`` order (what one-by-one removal saw).
+        state: dict[int, tuple[int, dict[int, None]]] = {}
+        removed: dict[int, int] = {}
+        for c in cs:
+            q = c.queue
+            qk = id(q)
+            st = state.get(qk)
+            if st is None:
+                st = state[qk] = (len(q.consumers), self._drop_from_queue(q, gone))
+                removed[qk] = 0
+            before, present = st
+            if id(c) in present:
+                removed[qk] += 1
+                left = before - removed[qk]
+                if left and q.messages:
+                    handover.append(q)
+            else:
+                left = before - removed[qk]
+            q.last_used_ms = now
+            if q.auto_delete and q.had_consumers and not left and not q.deleted:
+                self._topology.delete_queue(q)
+        return handover
+
+    @staticmethod
+    def _drop_from_queue(q: Queue, gone: dict[int, Consumer]) -> dict[int, None]:
+        """Take ``gone`` off ``q``'s consumers (returns the ids of those that were on it);
+        ``rr`` keeps naming the consumer it named, or the next one left after it
+        (cyclically): what removing them one by one gives."""
+        rr = q.rr
+        kept: list[Consumer] = []
+        present: dict[int, None] = {}
+        new_rr = -1
+        ranked = 0
+        for idx, c in enumerate(q.consumers):
+            if id(c) in gone:
+                present[id(c)] = None
+                if c.priority:
+                    ranked += 1
+                continue
+            if new_rr < 0 and idx >= rr:
+                new_rr = len(kept)
+            kept.append(c)
+        if present:
+            q.consumers = kept
+            q.ranked_consumers -= ranked
+            q.rr = new_rr if new_rr >= 0 else 0
+        return present
+
     def b_get(self, conn: Connection, ch: Channel, m: Any) -> None:
         q = self._topology.queue(conn, ch, m.queue)
         now = self._clock.now_ms

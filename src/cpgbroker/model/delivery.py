@@ -54,6 +54,7 @@ from cpgbroker.model.exchange import Exchange
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output, basic_return
 from cpgbroker.model.topology import FAILOVER_EXCHANGE, QueueKey, VHost
+from cpgbroker.model.validate import dead_letter_problem
 from cpgbroker.wire.fastpath import (
     HeaderInfo,
     decode_publish,
@@ -140,14 +141,29 @@ class Delivery:
             raise ConnectionError_(
                 R.UNEXPECTED_FRAME, f"unexpected content header frame on channel {ch.id}"
             )
+        # As RabbitMQ: a header too short for class, weight and size is a malformed frame
+        # (501); one for another class or with a weight is not the frame expected (505); then
+        # every property is checked here, at the door, so that nothing done later with the
+        # stored message (headers-exchange routing, dead-lettering, redelivery) can fail.
+        if len(payload) < 14:
+            raise ConnectionError_(
+                R.FRAME_ERROR, f"content header of {len(payload)} bytes is too short"
+            )
+        if payload[0] != 0 or payload[1] != 60 or payload[2] or payload[3]:
+            raise ConnectionError_(
+                R.UNEXPECTED_FRAME,
+                f"expected content header for class 60 with weight 0, got class "
+                f"{payload[0] << 8 | payload[1]} weight {payload[2] << 8 | payload[3]}",
+            )
         try:
             info = parse_content_header(payload)
         except (ValueError, IndexError) as e:
             raise ConnectionError_(R.FRAME_ERROR, f"malformed content header: {e}") from None
-        if info.class_id != 60:
-            raise ConnectionError_(
-                R.FRAME_ERROR, f"content header for class {info.class_id}, expected 60 (basic)"
-            )
+        if info.headers_span is not None:
+            problem = dead_letter_problem(payload, info.headers_span)
+            if problem is not None:
+                ch.pending = None
+                raise ChannelError(R.PRECONDITION_FAILED, problem, class_id=60, method_id=40)
         if info.body_size > self._max_message_size:
             ch.pending = None
             raise ChannelError(
@@ -310,17 +326,21 @@ class Delivery:
         if ex.name == "":
             q = vh.queues.get(rk)
             return [q] if q is not None else []
-        found: list[Queue] = []
-        visited: list[Exchange] = [ex]
+        # Breadth first through exchange-to-exchange bindings; results de-duplicated in order
+        # (dicts by identity: O(1) per destination, so a fanout to many queues stays linear).
+        found: dict[int, Queue] = {}
+        visited: dict[int, None] = {id(ex): None}
         pending = [ex]
-        while pending:
-            cur = pending.pop(0)
+        i = 0
+        while i < len(pending):
+            cur = pending[i]
+            i += 1
             for dest in cur.match(rk, msg):
                 if isinstance(dest, Queue):
-                    if dest not in found:
-                        found.append(dest)
-                elif dest not in visited:
-                    visited.append(dest)
+                    if id(dest) not in found:
+                        found[id(dest)] = dest
+                elif id(dest) not in visited:
+                    visited[id(dest)] = None
                     pending.append(dest)
         if not found:
             ae_name = ex.alternate
@@ -332,7 +352,7 @@ class Delivery:
                 if ae is not None and ae not in seen:
                     seen.append(ae)
                     return self.route(vh, ae, rk, msg, seen)
-        return found
+        return list(found.values())
 
     def enqueue(self, q: Queue, e: Entry) -> bool:
         """Append to ``q``; False if the queue refused it (x-overflow reject-publish)."""
@@ -449,22 +469,20 @@ class Delivery:
         if conn.state != E.OPEN:
             return
         # Queues are visited in channel and consumer order: deterministic.
-        seen: list[Queue] = []
+        seen: dict[int, Queue] = {}
         for ch in conn.channels.values():
             for c in ch.consumers.values():
-                if c.queue not in seen:
-                    seen.append(c.queue)
-        for q in seen:
+                seen.setdefault(id(c.queue), c.queue)
+        for q in seen.values():
             self.dispatch(q)
             if conn.credit <= 0:
                 break
 
     def dispatch_channel(self, ch: Channel) -> None:
-        seen: list[Queue] = []
+        seen: dict[int, Queue] = {}
         for c in ch.consumers.values():
-            if c.queue not in seen:
-                seen.append(c.queue)
-        for q in seen:
+            seen.setdefault(id(c.queue), c.queue)
+        for q in seen.values():
             self.dispatch(q)
 
     def dispatch(self, q: Queue) -> None:

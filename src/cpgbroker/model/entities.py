@@ -11,12 +11,14 @@ from __future__ import annotations
 import bisect
 import collections
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import attrs
 
 from cpgbroker.wire.fastpath import HeaderInfo, header_priority
 from cpgbroker.wire.framer import FrameReader
+
+T = TypeVar("T")
 
 
 class Message:
@@ -317,6 +319,44 @@ class QueueBinding:
     arguments: dict[str, Any]
 
 
+class IdList(Generic[T]):
+    """An insertion-ordered collection of objects with O(1) removal by identity: what a list
+    of bindings is, without the scan to remove one (a queue bound to a large exchange, and the
+    exchange's own bindings, are unbound one by one). It iterates, sizes and tests like the list
+    it replaced; it is deliberately not a ``list`` subclass, whose C-level fast paths would read
+    the (empty) list storage instead of these items."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Iterable[T] = ()) -> None:
+        self._items: dict[int, T] = {id(x): x for x in items}
+
+    def append(self, x: T) -> None:
+        self._items[id(x)] = x
+
+    def discard(self, x: T) -> None:
+        self._items.pop(id(x), None)
+
+    def clear(self) -> None:
+        self._items.clear()
+
+    def __iter__(self) -> Iterator[T]:
+        # A copy: callers delete while they walk (a queue's delete unbinds as it goes).
+        return iter(list(self._items.values()))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    def __contains__(self, x: object) -> bool:
+        return self._items.get(id(x)) is x
+
+    def __repr__(self) -> str:
+        return f"IdList({list(self._items.values())!r})"
+
+
 @attrs.define(eq=False)
 class Queue:
     name: str
@@ -354,7 +394,7 @@ class Queue:
     last_used_ms: int = 0
     deleted: bool = False
     # Every binding of the queue, for cleanup on delete.
-    bindings: list[QueueBinding] = attrs.Factory(list)
+    bindings: IdList[QueueBinding] = attrs.Factory(IdList)
 
 
 @attrs.define(eq=False)
@@ -420,7 +460,8 @@ class Connection:
     last_rx_ms: int = 0
     last_tx_ms: int = 0
     close_deadline: int | None = None
-    exclusive_queues: list[str] = attrs.Factory(list)
+    # Names of the queues it declared exclusive (a dict as an ordered set: O(1) removal).
+    exclusive_queues: dict[str, None] = attrs.Factory(dict)
     counter: int = 0
     published: bool = False
     blocked_sent: bool = False

@@ -41,6 +41,7 @@ from cpgbroker.model.entities import (
     Connection,
     Consumer,
     Entry,
+    IdList,
     Message,
     PendingPublish,
     Queue,
@@ -64,7 +65,21 @@ SNAPSHOT_FORMAT = 2
 # Attributes deliberately left out of snapshots (see module docstring).
 NOT_REPLICATED = {
     "Connection": {"emit", "outbuf", "confirm_dirty", "confirm_out"},
-    "Exchange": {"cache", "by_key"},
+    # Derived indexes, rebuilt by ``Exchange.bind`` / ``Topology.restore`` on restore.
+    "Exchange": {
+        "cache",
+        "by_key",
+        "by_dest",
+        "by_dest_key",
+        "key_bindings",
+        "topic_root",
+        "header_buckets",
+        "header_always",
+        "sources",
+        "bind_seq",
+    },
+    "Binding": {"seq"},
+    "Topology": {"_expiry_heap", "_expiry_seq"},
 }
 
 
@@ -575,7 +590,7 @@ class Restorer:
                 had_consumers=qd["had_consumers"],
                 last_used_ms=qd["last_used_ms"],
                 deleted=qd["deleted"],
-                bindings=[QueueBinding(x[0], x[1], x[2]) for x in qd["bindings"]],
+                bindings=IdList(QueueBinding(x[0], x[1], x[2]) for x in qd["bindings"]),
                 # Per priority for x-max-priority: entries then go back to their bands.
                 messages=ready_messages(qd["arguments"]),
             )
@@ -595,11 +610,20 @@ class Restorer:
                 xd["arguments"],
                 deleted=xd["deleted"],
             )
-        # Bind once every exchange exists (exchange-to-exchange bindings), in recorded order.
+        # Bind once every exchange exists (exchange-to-exchange bindings), in recorded order;
+        # each queue binding is linked to the queue's record of it (derived: ``Binding.qb``).
+        records: dict[tuple[int, str, str, bytes], QueueBinding] = {}
+        for qi in dict.fromkeys(
+            dest for xd in vd["exchanges"] for kind, dest, _k, _a in xd["bindings"] if kind == "q"
+        ):
+            for qb in queues[qi].bindings:
+                records[(qi, qb.exchange, qb.routing_key, encode(qb.arguments))] = qb
         for xd in vd["exchanges"]:
             ex = vh.exchanges[xd["name"]]
             for kind, dest, key, args in xd["bindings"]:
-                ex.bind(queues[dest] if kind == "q" else vh.exchanges[dest], key, args)
+                b = ex.bind(queues[dest] if kind == "q" else vh.exchanges[dest], key, args)
+                if b is not None and kind == "q":
+                    b.qb = records.get((dest, ex.name, key, encode(args)))
         for qi in vd["queues"]:
             vh.queues[queues[qi].name] = queues[qi]
         self.vhosts.append(vh)
@@ -627,7 +651,7 @@ class Restorer:
             last_rx_ms=cd["last_rx_ms"],
             last_tx_ms=cd["last_tx_ms"],
             close_deadline=cd["close_deadline"],
-            exclusive_queues=list(cd["exclusive_queues"]),
+            exclusive_queues=dict.fromkeys(cd["exclusive_queues"]),
             counter=cd["counter"],
             published=cd["published"],
             blocked_sent=cd["blocked_sent"],

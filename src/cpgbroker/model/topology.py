@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import heapq
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +44,13 @@ from cpgbroker.model.entities import (
     detach_unacked,
     ready_messages,
 )
-from cpgbroker.model.exchange import EXCHANGE_TYPES, Exchange
+from cpgbroker.model.exchange import EXCHANGE_TYPES, Binding, Exchange
+from cpgbroker.model.limits import (
+    Limits,
+    check_new_binding,
+    check_new_exchange,
+    check_new_queue,
+)
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output, queue_declare_ok
 
@@ -65,12 +72,19 @@ QueueKey = tuple[str, str]
 
 
 class VHost:
-    __slots__ = ("exchanges", "name", "queues")
+    __slots__ = ("binding_count", "exchanges", "name", "queues")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.exchanges: dict[str, Exchange] = {}
         self.queues: dict[str, Queue] = {}
+        # Bindings of all its exchanges (derived; vhost_max_bindings), recounted on restore.
+        self.binding_count = 0
+
+    def client_exchanges(self) -> int:
+        """Exchanges clients declared: all but the default one and the amq.* ones."""
+        n = len(self.exchanges) - 1 - len(PREDECLARED)
+        return n - 1 if FAILOVER_EXCHANGE in self.exchanges else n
 
 
 def _unwired(q: Queue, urls: tuple[str, ...]) -> None:
@@ -81,9 +95,12 @@ class Topology:
     __slots__ = (
         "_clock",
         "_connections",
+        "_expiry_heap",
+        "_expiry_seq",
         "_mark",
         "_out",
         "expiring",
+        "limits",
         "member_urls",
         "on_failover_bind",
         "ttl_queues",
@@ -112,6 +129,12 @@ class Topology:
         self._connections = connections
         # Publishes the member list to a queue just bound to amq.failover (delivery does).
         self.on_failover_bind: Callable[[Queue, tuple[str, ...]], None] = _unwired
+        # Configured by the connections component (which is given the broker's config).
+        self.limits = Limits(connections=connections)
+        # Derived index of ``expiring``: (deadline no later than the real one, tiebreak,
+        # queue), so that a tick looks only at queues whose x-expires may be due.
+        self._expiry_heap: list[tuple[int, int, Queue]] = []
+        self._expiry_seq = 0
         for name in vhost_names:
             self.add_vhost(name)
 
@@ -158,6 +181,17 @@ class Topology:
         self.ttl_queues.update(((q.vhost, q.name), q) for q in ttl_queues)
         self.expiring.clear()
         self.expiring.update(((q.vhost, q.name), q) for q in expiring)
+        # Derived indexes: binding counts, the x-expires heap.
+        for vh in self.vhosts.values():
+            vh.binding_count = sum(len(ex.bindings) for ex in vh.exchanges.values())
+        self._expiry_heap.clear()
+        self._expiry_seq = 0
+        for q in self.expiring.values():
+            self._push_expiry(q, q.last_used_ms + (q.expires or 0))
+
+    def _push_expiry(self, q: Queue, deadline: int) -> None:
+        self._expiry_seq += 1
+        heapq.heappush(self._expiry_heap, (deadline, self._expiry_seq, q))
 
     # ------------------------------------------------------------------ names and checks
 
@@ -217,6 +251,7 @@ class Topology:
                 )
             args = dict(m.arguments or {})
             if ex is None:
+                check_new_exchange(self.limits, vh.name, vh.client_exchanges(), name)
                 ex = Exchange(
                     name, vh.name, m.exchange_type, m.durable, m.auto_delete, m.internal, args
                 )
@@ -244,7 +279,7 @@ class Topology:
             raise ChannelError(R.ACCESS_REFUSED, f"operation not permitted on exchange '{name}'")
         ex = vh.exchanges.get(name)
         if ex is not None:
-            if m.if_unused and (ex.bindings or _bound_to(vh, ex)):
+            if m.if_unused and (ex.bindings or ex.sources):
                 raise ChannelError(
                     R.PRECONDITION_FAILED, f"exchange '{name}' in vhost '{vh.name}' in use"
                 )
@@ -253,15 +288,22 @@ class Topology:
             self._out.send_method(conn, ch.id, commands.Exchange.DeleteOk())
 
     def _delete_exchange(self, vh: VHost, ex: Exchange) -> None:
+        """Cost: the exchange's bindings and those to it (``Exchange.sources``), not every
+        exchange of the vhost."""
         ex.deleted = True
         del vh.exchanges[ex.name]
         # Bindings from this exchange go; so do bindings to it from other exchanges.
-        for b in ex.bindings:
+        gone = ex.clear_bindings()
+        vh.binding_count -= len(gone)
+        for b in gone:
             if isinstance(b.dest, Queue):
-                _drop_queue_binding(b.dest, ex.name, b.key, b.args)
-        ex.bindings.clear()
-        for other in list(vh.exchanges.values()):
-            if other.unbind_dest(ex):
+                _drop_queue_binding(b)
+        # (Their order does not change the outcome: each source loses its bindings to ``ex``
+        # and goes if auto-delete left it with none.)
+        for other in list(ex.sources):
+            removed = other.unbind_dest(ex)
+            if removed:
+                vh.binding_count -= len(removed)
                 self._maybe_auto_delete_exchange(vh, other)
 
     def _maybe_auto_delete_exchange(self, vh: VHost, ex: Exchange) -> None:
@@ -273,7 +315,12 @@ class Topology:
         src = self.exchange(conn, m.source)
         if src.name == "" or dest.name == "":
             raise ChannelError(R.ACCESS_REFUSED, "operation not permitted on the default exchange")
-        src.bind(dest, m.routing_key, dict(m.arguments or {}))
+        args = dict(m.arguments or {})
+        if not src.has_binding(dest, m.routing_key, args):
+            vh = self.vhosts[conn.vhost]
+            check_new_binding(self.limits, vh.name, vh.binding_count, src.name)
+            src.bind(dest, m.routing_key, args)
+            vh.binding_count += 1
         if not m.nowait:
             self._out.send_method(conn, ch.id, commands.Exchange.BindOk())
 
@@ -284,8 +331,9 @@ class Topology:
         if (
             src is not None
             and dest is not None
-            and src.unbind(dest, m.routing_key, dict(m.arguments or {}))
+            and src.unbind(dest, m.routing_key, dict(m.arguments or {})) is not None
         ):
+            vh.binding_count -= 1
             self._maybe_auto_delete_exchange(vh, src)
         if not m.nowait:
             self._out.send_method(conn, ch.id, commands.Exchange.UnbindOk())
@@ -312,6 +360,7 @@ class Topology:
             args = dict(m.arguments or {})
             now = self._clock.now_ms
             if existing is None:
+                check_new_queue(self.limits, vh.name, len(vh.queues), name)
                 q = Queue(
                     name=name,
                     vhost=vh.name,
@@ -324,9 +373,10 @@ class Topology:
                 apply_queue_args(q, args)
                 vh.queues[name] = q
                 if m.exclusive:
-                    conn.exclusive_queues.append(name)
+                    conn.exclusive_queues[name] = None
                 if q.expires is not None:
                     self.expiring[(vh.name, name)] = q
+                    self._push_expiry(q, now + q.expires)
                 # Every queue is bound to the default exchange by its name (implicitly).
             else:
                 q = existing
@@ -372,8 +422,15 @@ class Topology:
         if ex.name == "":
             raise ChannelError(R.ACCESS_REFUSED, "operation not permitted on the default exchange")
         args = dict(m.arguments or {})
-        if ex.bind(q, m.routing_key, args):
-            q.bindings.append(QueueBinding(ex.name, m.routing_key, args))
+        if not ex.has_binding(q, m.routing_key, args):
+            vh = self.vhosts[conn.vhost]
+            check_new_binding(self.limits, vh.name, vh.binding_count, ex.name)
+            b = ex.bind(q, m.routing_key, args)
+            if b is None:
+                raise InvariantError("binding appeared between check and bind")
+            b.qb = QueueBinding(ex.name, m.routing_key, args)
+            q.bindings.append(b.qb)
+            vh.binding_count += 1
             if ex.name == FAILOVER_EXCHANGE:
                 self.on_failover_bind(q, self.member_urls)
         if not m.nowait:
@@ -389,8 +446,10 @@ class Topology:
             check_exclusive(conn, q)
         if q is not None and ex is not None:
             args = dict(m.arguments or {})
-            if ex.unbind(q, m.routing_key, args):
-                _drop_queue_binding(q, ex.name, m.routing_key, args)
+            b = ex.unbind(q, m.routing_key, args)
+            if b is not None:
+                _drop_queue_binding(b)
+                vh.binding_count -= 1
                 self._maybe_auto_delete_exchange(vh, ex)
         self._out.send_method(conn, ch.id, commands.Queue.UnbindOk())
 
@@ -438,8 +497,11 @@ class Topology:
         self.expiring.pop(key, None)
         for bd in q.bindings:
             ex = vh.exchanges.get(bd.exchange)
-            if ex is not None and ex.unbind_dest(q):
-                self._maybe_auto_delete_exchange(vh, ex)
+            if ex is not None:
+                removed = ex.unbind_dest(q)
+                if removed:
+                    vh.binding_count -= len(removed)
+                    self._maybe_auto_delete_exchange(vh, ex)
         q.bindings.clear()
         for c in list(q.consumers):
             ch = c.channel
@@ -456,8 +518,8 @@ class Topology:
         q.messages.clear()
         if q.exclusive_owner is not None:
             owner = self._connections.get(q.exclusive_owner)
-            if owner is not None and q.name in owner.exclusive_queues:
-                owner.exclusive_queues.remove(q.name)
+            if owner is not None:
+                owner.exclusive_queues.pop(q.name, None)
 
     def delete_exclusive(self, conn: Connection) -> None:
         """``conn`` closes: the queues it declared exclusive go with it (spec)."""
@@ -469,17 +531,32 @@ class Topology:
         conn.exclusive_queues.clear()
 
     def expire_unused(self) -> None:
-        """On a tick: delete queues unused for longer than their x-expires."""
-        if not self.expiring:
+        """On a tick: delete queues unused for longer than their x-expires. Cost: the queues
+        whose deadline (as last pushed) has come, not every queue with x-expires: a queue
+        used since is pushed again at its new deadline, one with consumers is looked at again
+        one x-expires later (its last consumer's cancel moves ``last_used_ms`` on)."""
+        heap = self._expiry_heap
+        if not heap:
             return
         now_ms = self._clock.now_ms
-        for q in list(self.expiring.values()):
-            if (
-                not q.deleted
-                and not q.consumers
-                and q.expires is not None
-                and now_ms - q.last_used_ms >= q.expires
-            ):
+        due: dict[QueueKey, Queue] = {}
+        while heap and heap[0][0] <= now_ms:
+            _, _, q = heapq.heappop(heap)
+            key = (q.vhost, q.name)
+            if q.deleted or q.expires is None or self.expiring.get(key) is not q:
+                continue  # gone (a stale entry)
+            deadline = q.last_used_ms + q.expires
+            if q.consumers:
+                self._push_expiry(q, max(deadline, now_ms + q.expires))
+            elif deadline > now_ms:
+                self._push_expiry(q, deadline)
+            else:
+                due[key] = q
+        # In name order: the heap's tiebreaks differ after a restore. (The order does not
+        # change the outcome: a queue without consumers goes with its bindings and messages.)
+        for key in sorted(due):
+            q = due[key]
+            if not q.deleted:
                 self.delete_queue(q)
 
 
@@ -505,15 +582,11 @@ def generated_name(conn: Connection, prefix: str) -> str:
     return prefix + base64.urlsafe_b64encode(digest[:16]).decode().rstrip("=")
 
 
-def _bound_to(vh: VHost, ex: Exchange) -> bool:
-    return any(b.dest is ex for other in vh.exchanges.values() for b in other.bindings)
-
-
-def _drop_queue_binding(q: Queue, ex_name: str, key: str, args: dict[str, Any]) -> None:
-    for i, bd in enumerate(q.bindings):
-        if bd.exchange == ex_name and bd.routing_key == key and bd.arguments == args:
-            del q.bindings[i]
-            return
+def _drop_queue_binding(b: Binding) -> None:
+    """Strike a removed binding from its queue's record of its bindings."""
+    q = b.dest
+    if isinstance(q, Queue) and b.qb is not None:
+        q.bindings.discard(b.qb)
 
 
 def fmt(v: Any, typed: bool = False) -> str:

@@ -130,6 +130,8 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
                 vhosts=tuple(u.get("vhosts", ["/"])),
                 loopback_only=bool(u.get("loopback_only", False)),
                 tags=tuple(u.get("tags", [])),
+                max_connections=_count_limit(u, "max_connections", "users"),
+                max_channels=_count_limit(u, "max_channels", "users"),
             )
             for u in users_raw
         )
@@ -141,10 +143,12 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
         broker = BrokerConfig(
             users=users,
             vhosts=vhosts,
-            **{k: limits.pop(k) for k in list(limits) if k in _LIMIT_KEYS},
+            **_limit_values(limits),
         )
     except TypeError as e:
         raise ConfigError(f"bad [limits]: {e}") from None
+    for k in _LIMIT_KEYS:
+        limits.pop(k, None)
     if limits:
         raise ConfigError(f"unknown [limits] key(s): {', '.join(sorted(limits))}")
     cluster = None
@@ -227,7 +231,35 @@ _LIMIT_KEYS = (
     "max_message_size",
     "high_watermark_bytes",
     "low_watermark_ratio",
+    "vhost_max_connections",
+    "vhost_max_queues",
+    "vhost_max_exchanges",
+    "vhost_max_bindings",
 )
+# Limits where -1 means none (RabbitMQ's convention; TOML has no null).
+_COUNT_LIMITS = (
+    "vhost_max_connections",
+    "vhost_max_queues",
+    "vhost_max_exchanges",
+    "vhost_max_bindings",
+    "max_connections",
+    "max_channels",
+)
+
+
+def _limit_values(limits: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: _count_limit(limits, k, "limits") if k in _COUNT_LIMITS else limits[k]
+        for k in list(limits)
+        if k in _LIMIT_KEYS
+    }
+
+
+def _count_limit(d: dict[str, Any], key: str, section: str) -> int | None:
+    v = d.get(key, -1)
+    if isinstance(v, bool) or not isinstance(v, int) or v < -1:
+        raise ConfigError(f"[{section}] {key} must be an integer, -1 for no limit")
+    return None if v == -1 else v
 
 
 def _req(d: dict[str, Any], key: str, section: str) -> Any:

@@ -5,8 +5,10 @@ basic.ack/nack/reject and of encoding basic.deliver bounds the whole cluster. pa
 on a publish decode where ``struct.unpack_from`` takes ~1 us. The property tests compare each
 function here with pamqp on generated input (``tests/property/test_fastpath.py``).
 
-Decoders raise :class:`ValueError` (or ``struct.error``, a ValueError subclass) on malformed
-input; the model turns that into 502 SYNTAX_ERROR.
+Decoders raise :class:`ValueError` (``IndexError`` from the method decoders, which index bytes)
+on malformed input, never ``struct.error`` (not a ValueError): lengths are checked before
+unpacking. The model turns that into 502 SYNTAX_ERROR (methods) or 501 FRAME_ERROR (content
+headers).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import struct
 
 from cpgbroker.wire.framer import FRAME_BODY, FRAME_END_BYTE, FRAME_HEADER, FRAME_METHOD
+from cpgbroker.wire.tables import check_table, check_timestamp
 
 BASIC_PUBLISH = 0x003C0028
 BASIC_ACK = 0x003C0050
@@ -269,14 +272,71 @@ def with_delivery_count(payload: bytes, count: int) -> bytes:
     )
 
 
+_SHORTSTR_FLAGS = (
+    FLAG_CONTENT_TYPE,
+    FLAG_CONTENT_ENCODING,
+    FLAG_CORRELATION_ID,
+    FLAG_REPLY_TO,
+    FLAG_EXPIRATION,
+    FLAG_MESSAGE_ID,
+    FLAG_TYPE,
+    FLAG_USER_ID,
+    FLAG_APP_ID,
+    FLAG_CLUSTER_ID,
+)
+
+
+def _check_short_strings(payload: bytes, flags: int) -> None:
+    """Every short-string property of a header whose layout already checked out must be UTF-8
+    (pamqp decodes them when it dead-letters): the slow path, for headers that are not all
+    ASCII."""
+    p = 14
+    for flag in (
+        FLAG_CONTENT_TYPE,
+        FLAG_CONTENT_ENCODING,
+        FLAG_HEADERS,
+        FLAG_DELIVERY_MODE,
+        FLAG_PRIORITY,
+        FLAG_CORRELATION_ID,
+        FLAG_REPLY_TO,
+        FLAG_EXPIRATION,
+        FLAG_MESSAGE_ID,
+        FLAG_TIMESTAMP,
+        FLAG_TYPE,
+        FLAG_USER_ID,
+        FLAG_APP_ID,
+        FLAG_CLUSTER_ID,
+    ):
+        if not flags & flag:
+            continue
+        if flag in _SHORTSTR_FLAGS:
+            q = p + 1 + payload[p]
+            payload[p + 1 : q].decode()
+            p = q
+        elif flag == FLAG_HEADERS:
+            p += 4 + _U32.unpack_from(payload, p)[0]
+        elif flag == FLAG_TIMESTAMP:
+            p += 8
+        else:
+            p += 1
+
+
 def parse_content_header(payload: bytes) -> HeaderInfo:
-    """Walk the property list once, picking out the few fields routing and expiry need."""
+    """Walk the property list once, picking out the few fields routing and expiry need, and
+    check everything that pamqp will later decode (dead-lettering, quorum redelivery, headers
+    exchanges): short strings in bounds and UTF-8, the timestamp in range, the headers table
+    (:func:`~cpgbroker.wire.tables.check_table`, iterative, with limits, re-encodable). Any
+    malformed header raises :class:`ValueError` (``UnicodeDecodeError`` and ``TableError`` are
+    ValueErrors) or ``IndexError`` (a property past the end), and nothing else (property tests
+    check this for arbitrary bytes)."""
+    n = len(payload)
+    if n < 14:
+        raise ValueError(f"content header of {n} bytes, shorter than its 14-byte fixed part")
     class_id, _weight, body_size, flags = _CH_HDR.unpack_from(payload, 0)
     if flags & 1:
         # More than 15 properties is never valid for class basic.
         raise ValueError("content header uses property flag continuation")
     p = 14
-    n = len(payload)
     delivery_mode = 0
     expiration: str | None = None
     user_id: str | None = None
@@ -286,9 +346,9 @@ def parse_content_header(payload: bytes) -> HeaderInfo:
     if flags & FLAG_CONTENT_ENCODING:
         p += 1 + payload[p]
     if flags & FLAG_HEADERS:
-        size = _U32.unpack_from(payload, p)[0]
-        headers_span = (p, p + 4 + size)
-        p += 4 + size
+        end = check_table(payload, p, n, roundtrip=True)
+        headers_span = (p, end)
+        p = end
     if flags & FLAG_DELIVERY_MODE:
         delivery_mode = payload[p]
         p += 1
@@ -305,6 +365,9 @@ def parse_content_header(payload: bytes) -> HeaderInfo:
     if flags & FLAG_MESSAGE_ID:
         p += 1 + payload[p]
     if flags & FLAG_TIMESTAMP:
+        if p + 8 > n:
+            raise ValueError("content header property runs past the frame")
+        check_timestamp(payload, p)
         p += 8
     if flags & FLAG_TYPE:
         p += 1 + payload[p]
@@ -317,5 +380,10 @@ def parse_content_header(payload: bytes) -> HeaderInfo:
     if flags & FLAG_CLUSTER_ID:
         p += 1 + payload[p]
     if p != n:
+        # Also catches a short string running past the frame (slicing does not raise).
         raise ValueError("content header properties do not match their flags")
+    if n > 14 and not payload[14:].isascii():
+        # One test instead of one per string: the usual header (content-type, delivery-mode)
+        # is all ASCII and needs no UTF-8 check.
+        _check_short_strings(payload, flags)
     return HeaderInfo(class_id, body_size, delivery_mode, expiration, user_id, headers_span)
