@@ -155,3 +155,13 @@ def drain_queue(bs: BrokerSet, node: int, queue: str) -> list[bytes]:
         if method is None:
             return got
         got.append(body)
+
+
+def load_until(pub: ConfirmingPublisher, n: int, timeout: float = 30.0) -> None:
+    """Until ``pub`` has ``n`` more confirms (it keeps publishing meanwhile)."""
+    deadline = time.monotonic() + timeout
+    start = len(pub.confirmed)
+    while len(pub.confirmed) < start + n:
+        assert pub.error is None, pub.error
+        assert time.monotonic() < deadline, f"only {len(pub.confirmed) - start} confirms"
+        time.sleep(0.05)

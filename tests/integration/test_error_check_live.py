@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from brokerclients import ConfirmingPublisher, assert_serves, drain_queue, wait_state
+from brokerclients import ConfirmingPublisher, assert_serves, drain_queue, load_until, wait_state
 
 from cpgbroker.dev.brokers import BrokerSet
 
@@ -50,15 +50,6 @@ def inject(bs: BrokerSet, node: int, kind: str, at_seq: int) -> None:
     code, answer = bs.control(node, "/faults", {"kind": kind, "at_seq": at_seq})
     assert code == 200, answer
     assert answer["at_seq"] == at_seq
-
-
-def load_until(pub: ConfirmingPublisher, n: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    start = len(pub.confirmed)
-    while len(pub.confirmed) < start + n:
-        assert pub.error is None, pub.error
-        assert time.monotonic() < deadline, f"only {len(pub.confirmed) - start} confirms"
-        time.sleep(0.05)
 
 
 def stop_records(bs: BrokerSet, node: int) -> list[dict[str, Any]]:

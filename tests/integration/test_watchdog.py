@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from brokerclients import ConfirmingPublisher, assert_serves, drain_queue, wait_state
+from brokerclients import ConfirmingPublisher, assert_serves, drain_queue, load_until, wait_state
 
 from cpgbroker.dev.brokers import BrokerSet
 
@@ -33,15 +33,6 @@ def seq_of(bs: BrokerSet, node: int) -> int:
     s = bs.status(node)
     assert s is not None
     return int(s["event_seq"])
-
-
-def load_until(pub: ConfirmingPublisher, n: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    start = len(pub.confirmed)
-    while len(pub.confirmed) < start + n:
-        assert pub.error is None, pub.error
-        assert time.monotonic() < deadline, f"only {len(pub.confirmed) - start} confirms"
-        time.sleep(0.05)
 
 
 def slow_event_on_every_member(bs: BrokerSet, seconds: float) -> int:
@@ -80,7 +71,7 @@ def test_an_event_every_member_is_slow_in_kills_no_member(
     assert s["watchdog"]["timeout"] == TIMEOUT and s["watchdog"]["max_apply_seconds"] == 300
     pub = ConfirmingPublisher(bs, [1, 2], "load")
     pub.start()
-    load_until(pub, 100)
+    load_until(pub, 100, timeout=60.0)
     at = slow_event_on_every_member(bs, SLOW)
     for n in (1, 2, 3):
         wait_in_log(bs, n, f"injected slow apply of event {at}", 30)
@@ -99,7 +90,7 @@ def test_an_event_every_member_is_slow_in_kills_no_member(
         s = wait_state(bs, n, lambda s: len(s["members"]) == 3)
         assert "injected_faults" not in s
     # The clients are served on: the publisher's confirms resume, every member serves.
-    load_until(pub, 200)
+    load_until(pub, 200, timeout=60.0)
     confirmed = pub.stop()
     assert not pub.closes, pub.closes
     bs.converged([1, 2, 3])
@@ -115,7 +106,7 @@ def test_a_member_stopped_alone_inside_a_slow_event_is_still_killed(
     hung = wait_state(bs, 3, lambda s: s["state"] == "ready")["member"]
     pub = ConfirmingPublisher(bs, [1], "load")
     pub.start()
-    load_until(pub, 100)
+    load_until(pub, 100, timeout=60.0)
     at = slow_event_on_every_member(bs, SLOW)
     wait_in_log(bs, 3, f"injected slow apply of event {at}", 30)
     t0 = time.monotonic()
@@ -133,7 +124,7 @@ def test_a_member_stopped_alone_inside_a_slow_event_is_still_killed(
             timeout=SLOW + 30,
         )
         assert bs.procs[n].poll() is None, bs.tail(n, 30)
-    load_until(pub, 200)
+    load_until(pub, 200, timeout=60.0)
     confirmed = pub.stop()
     bs.converged([1, 2])
     missing = set(confirmed) - set(drain_queue(bs, 2, "load"))
