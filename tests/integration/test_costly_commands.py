@@ -1,4 +1,4 @@
-"""No client can hurt the cluster with ordinary commands (#21): one client declares 20,000
+"""No client can hurt the cluster with ordinary commands (#21): one client declares 40,000
 exchanges and deletes 2,000 of them in one burst while a well-behaved client publishes with
 confirms on another member. Every member replays the burst; with bounded-cost commands no
 member stalls long enough to be killed, and the other client's confirms stay fast."""
@@ -19,7 +19,7 @@ from cpgbroker.dev.brokers import BrokerSet
 
 pytestmark = pytest.mark.integration
 
-EXCHANGES = 20_000
+EXCHANGES = 40_000
 DELETES = 2_000
 
 
