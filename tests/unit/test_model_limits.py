@@ -3,14 +3,23 @@ model so that every replica refuses at the same event."""
 
 from __future__ import annotations
 
+import collections
+import random
+import sys
+from types import FrameType
+from typing import Any
+
 import pytest
 from pamqp import commands as C
 from pamqp import frame
 
+from cpgbroker.model import entities as E
+from cpgbroker.model import limits as L
 from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.config import BrokerConfig, User
-from cpgbroker.model.events import ClientData, ClientDisconnected
+from cpgbroker.model.events import ClientConnected, ClientData, ClientDisconnected, MemberLeft
+from cpgbroker.wire.framer import PROTOCOL_HEADER
 from modelclient import Client, Harness
 
 
@@ -178,3 +187,190 @@ def test_limits_from_the_config_file() -> None:
         from_dict({"limits": {"vhost_max_queues": -5}})
     with pytest.raises(ConfigError):
         from_dict({"limits": {"vhost_max_queue": 5}})
+
+
+# ---------------------------------------------------------------------- the O(1) counters
+
+
+def _recount(b: Broker) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """What the counters must hold, by scanning every connection (as the checks once did)."""
+    vhosts: collections.Counter[str] = collections.Counter()
+    users: collections.Counter[str] = collections.Counter()
+    channels: collections.Counter[str] = collections.Counter()
+    for c in b.connections.values():
+        if c.vhost:  # past connection.open (closing ones included)
+            vhosts[c.vhost] += 1
+            users[c.user] += 1
+        channels[c.user] += len(c.channels)
+    return (
+        {k: v for k, v in vhosts.items() if v},
+        {k: v for k, v in users.items() if v},
+        {k: v for k, v in channels.items() if v},
+    )
+
+
+def _assert_counts(b: Broker) -> None:
+    lim = b.topology.limits
+    assert (lim.vhost_connections, lim.user_connections, lim.user_channels) == _recount(b)
+
+
+_USERS = (
+    User("u", "u", ("/", "b"), max_connections=4, max_channels=5),
+    User("v", "v", ("/", "b")),
+    User("w", "w", ("b",), max_channels=3),
+)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_counters_equal_a_recount_after_random_traffic_and_restore(seed: int) -> None:
+    rng = random.Random(seed)
+    cfg = BrokerConfig(users=_USERS, vhosts=("/", "b"), vhost_max_connections=6)
+    h = Harness(Broker(cfg))
+    clients: dict[int, Client] = {}
+    next_id = 1
+    now = 0
+    seen: collections.Counter[str] = collections.Counter(channels=0, **{"vhost b": 0}, closing=0)
+    for step in range(400):
+        live = [c for c in clients.values() if c.conn in h.broker.connections]
+        op = rng.random()
+        if op < 0.2 or not live:
+            c = h.connect(next_id, member=rng.randrange(3))
+            clients[next_id] = c
+            next_id += 1
+            if rng.random() < 0.85:  # else left half way: not counted
+                user = rng.choice(("u", "v", "w"))
+                c.handshake(user=user, password=user, vhost=rng.choice(("/", "b")))
+        else:
+            c = rng.choice(live)
+            ch = rng.randrange(1, 5)
+            if op < 0.45:
+                c.send(ch, C.Channel.Open())  # may be refused, or a second open (504)
+            elif op < 0.6:
+                c.send(
+                    ch, C.Channel.Close(reply_code=200, reply_text="bye", class_id=0, method_id=0)
+                )
+            elif op < 0.68:  # a channel error: the channel stays until close-ok
+                c.send(ch, C.Queue.Declare(queue="nope", passive=True))
+            elif op < 0.74:
+                c.send(ch, C.Channel.CloseOk())
+            elif op < 0.79:
+                c.send(
+                    0, C.Connection.Close(reply_code=200, reply_text="bye", class_id=0, method_id=0)
+                )
+            elif op < 0.84:  # a connection error: closing, still counted until dropped
+                c.send(0, C.Channel.Open())
+            elif op < 0.88:
+                c.send(0, C.Connection.CloseOk())
+            elif op < 0.93:
+                h.apply(ClientDisconnected(c.conn))
+            elif op < 0.96:
+                h.apply(MemberLeft(rng.randrange(3)))
+            else:
+                now += rng.choice((1_000, 5_000, 20_000))
+                h.tick(now)
+        _assert_counts(h.broker)
+        lim = h.broker.topology.limits
+        seen["channels"] += sum(lim.user_channels.values())
+        seen["vhost b"] += lim.vhost_connections.get("b", 0)
+        seen["closing"] += sum(
+            1 for c in h.broker.connections.values() if c.vhost and c.state == E.CLOSING
+        )
+        if step % 50 == 49:
+            parts = [S.decode(S.encode(p)) for p in S.parts(h.broker, chunk=3)]
+            restored = S.restore(parts, cfg)
+            _assert_counts(restored)
+            assert restored.topology.limits == h.broker.topology.limits
+            assert S.digest(restored) == S.digest(h.broker)
+    # The traffic reached the states the counters are about.
+    assert all(seen.values()), seen
+
+
+def test_refusals_match_the_counts_after_closes() -> None:
+    """Closing connections and channels still count until they are gone, as a scan counted."""
+    users = (User("u", "u", max_connections=1, max_channels=1),)
+    h = Harness(Broker(BrokerConfig(users=users)))
+    c1 = _open(h, 1, "u")
+    c1.send(0, C.Channel.Open())  # a connection error: c1 is closing, and still counted
+    assert h.broker.topology.limits.user_connections == {"u": 1}
+    assert h.broker.topology.limits.user_channels == {}  # released with the connection
+    c2 = h.connect(2)
+    assert isinstance(c2.handshake(user="u", password="u"), C.Connection.Close)
+    c1.send(0, C.Connection.CloseOk())
+    assert h.broker.topology.limits.user_connections == {}
+    c3 = _open(h, 3, "u")
+    c3.send(1, C.Queue.Declare(queue="nope", passive=True))  # channel 1 closing: counted
+    c3.send(2, C.Channel.Open())
+    assert _close_of(c3)[0] == 530
+    _assert_counts(h.broker)
+
+
+def _handshake_bytes(user: str, vhost: str = "/") -> bytes:
+    return b"".join(
+        (
+            PROTOCOL_HEADER,
+            frame.marshal(
+                C.Connection.StartOk(
+                    client_properties={}, mechanism="PLAIN", response=f"\0{user}\0{user}"
+                ),
+                0,
+            ),
+            frame.marshal(C.Connection.TuneOk(channel_max=0, frame_max=131072, heartbeat=0), 0),
+            frame.marshal(C.Connection.Open(virtual_host=vhost), 0),
+            frame.marshal(C.Channel.Open(), 1),
+        )
+    )
+
+
+def _limit_check_lines(b: Broker, conn: int, data: bytes) -> int:
+    """Lines run in ``model/limits.py`` while ``b`` applies ``conn``'s handshake (and its
+    channel.open); fails if the broker's connections are iterated in there."""
+    lines = 0
+    target = L.__file__
+
+    def tracer(f: FrameType, event: str, arg: Any) -> Any:
+        nonlocal lines
+        if f.f_code.co_filename != target:
+            return None
+        if event == "line":
+            lines += 1
+        return tracer
+
+    class Watched(dict[int, Any]):
+        def _no(self, *a: Any) -> Any:
+            raise AssertionError("the limit checks scanned the connections")
+
+        values = items = keys = __iter__ = _no  # type: ignore[assignment]
+
+    lim = b.topology.limits
+    original = lim.connections
+    lim.connections = Watched(original)
+    b.apply(ClientConnected(conn, 0, "127.0.0.1:1", True))
+    sys.settrace(tracer)
+    try:
+        b.apply(ClientData(conn, data))
+    finally:
+        sys.settrace(None)
+        lim.connections = original
+    assert b.connections[conn].vhost and b.connections[conn].channels
+    return lines
+
+
+def test_connection_open_limit_check_is_constant_work() -> None:
+    """With 10,000 connections open, connection.open and channel.open run the same lines of
+    the limit code as with 10: O(1), not a scan."""
+    users = (User("u", "u", max_connections=20_000, max_channels=20_000), User("v", "v"))
+    b = Broker(BrokerConfig(users=users, vhost_max_connections=20_000))
+    data = _handshake_bytes("u")
+    for i in range(1, 11):
+        b.apply(ClientConnected(i, 0, "127.0.0.1:1", True))
+        b.apply(ClientData(i, data))
+    few = _limit_check_lines(b, 11, data)
+    for i in range(12, 10_012):
+        b.apply(ClientConnected(i, 0, "127.0.0.1:1", True))
+        b.apply(ClientData(i, data))
+    assert len(b.connections) == 10_011
+    assert b.topology.limits.user_connections == {"u": 10_011}
+    assert b.topology.limits.user_channels == {"u": 10_011}
+    many = _limit_check_lines(b, 20_000, data)
+    assert 0 < few == many
+    _assert_counts(b)

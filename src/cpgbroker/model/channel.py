@@ -238,14 +238,17 @@ class Channels:
             decode_method(payload, index)
             channel = Channel(ch, conn, prefetch_count=0)
             conn.channels[ch] = channel
+            self._limits.channels_opened(conn)
             self._out.send_method(conn, ch, commands.Channel.OpenOk())
             return
         if channel.closing:
             if index == commands.Channel.CloseOk.index:
                 del conn.channels[ch]
+                self._limits.channels_closed(conn)
             elif index == commands.Channel.Close.index:
                 self._out.send_method(conn, ch, commands.Channel.CloseOk())
                 del conn.channels[ch]
+                self._limits.channels_closed(conn)
             return
         if channel.pending is not None:
             raise ConnectionError_(
@@ -321,6 +324,7 @@ class Channels:
     def _ch_close(self, conn: Connection, ch: Channel, m: Any) -> None:
         self.release_channel(ch)
         del conn.channels[ch.id]
+        self._limits.channels_closed(conn)
         self._out.send_method(conn, ch.id, commands.Channel.CloseOk())
 
     def _ch_close_ok(self, conn: Connection, ch: Channel, m: Any) -> None:

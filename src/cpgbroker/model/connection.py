@@ -187,6 +187,7 @@ class Connections:
         if conn.id in self.connections:
             raise InvariantError(f"connection {conn.id} restored twice")
         self.connections[conn.id] = conn
+        self._topology.limits.restore_connection(conn)
 
     # ------------------------------------------------------------------ bytes and frames
 
@@ -449,8 +450,10 @@ class Connections:
             raise ConnectionError_(
                 R.NOT_ALLOWED, f"access to vhost '{vhost}' refused for user '{conn.user}'"
             )
-        check_connection_open(self._topology.limits, conn, vhost)
+        limits = self._topology.limits
+        check_connection_open(limits, conn, vhost)
         conn.vhost = vhost
+        limits.connection_opened(conn)
         conn.state = OPEN
         conn.close_deadline = None
         self._send_method(conn, 0, commands.Connection.OpenOk())
@@ -498,6 +501,7 @@ class Connections:
         release_channel = self._channels.release_channel
         for ch in list(conn.channels.values()):
             release_channel(ch)
+        self._topology.limits.channels_closed(conn, len(conn.channels))
         conn.channels.clear()
         self._topology.delete_exclusive(conn)
         conn.confirm_dirty.clear()
@@ -509,6 +513,7 @@ class Connections:
             self._release(conn)
             conn.state = CLOSED
         del self.connections[conn.id]
+        self._topology.limits.connection_gone(conn)
         if notify:
             self._out.close_socket(conn, reason)
         else:
