@@ -273,6 +273,23 @@ def ops(h: Harness, c: Client, n: int, r: int) -> dict[str, float]:
     for k in range(10):
         h.apply(Tick(now + 2000 + k * 100))
     out["tick_idle"] = round((time.perf_counter() - t0) * 1e6 / 10, 2)
+    # One tick among n queues whose heads hold a TTL, one of them due: what every tick would
+    # cost if a tick visited every such queue (one client can declare them all).
+    setup = []
+    for i in range(n):
+        ttl = {"x-message-ttl": 1_000_000_000}
+        setup.append(m(1, C.Queue.Declare(queue=f"lq{i}", nowait=True, arguments=ttl)))
+        setup.append(publish(c, "", f"lq{i}"))
+    setup.append(m(1, C.Queue.Declare(queue="dq", nowait=True, arguments={"x-message-ttl": 10})))
+    setup.append(publish(c, "", "dq"))
+    send_all(c, setup)
+    later = h.broker.now_ms + 1000
+    gc.collect()
+    gc.disable()
+    t0 = time.perf_counter()
+    h.apply(Tick(later))
+    out["tick_ttl_many_queues_one_due"] = round((time.perf_counter() - t0) * 1e6, 2)
+    gc.enable()
     return out
 
 

@@ -213,6 +213,8 @@ class Consumers:
             self._out.send_method(conn, ch.id, commands.Basic.GetEmpty())
             return
         e = q.messages.popleft()
+        if q.ttl_order >= 0:
+            self._topology.ttl_queues.note(q)
         ch.next_tag += 1
         tag = ch.next_tag
         if m.no_ack:

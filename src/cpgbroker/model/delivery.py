@@ -29,6 +29,7 @@ collaborators as bound methods and encode deliveries straight into ``Connection.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable
 from typing import Any
 
@@ -53,7 +54,7 @@ from cpgbroker.model.events import WantOutput
 from cpgbroker.model.exchange import Exchange
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output, basic_return
-from cpgbroker.model.topology import FAILOVER_EXCHANGE, QueueKey, VHost
+from cpgbroker.model.topology import FAILOVER_EXCHANGE, TtlQueues, VHost
 from cpgbroker.model.validate import dead_letter_problem
 from cpgbroker.wire.fastpath import (
     HeaderInfo,
@@ -107,7 +108,7 @@ class Delivery:
         mark: MemoryMark,
         confirms: Confirms,
         vhosts: dict[str, VHost],
-        ttl_queues: dict[QueueKey, Queue],
+        ttl_queues: TtlQueues,
         connections: dict[int, Connection],
     ) -> None:
         self.msg_seq = 0
@@ -363,8 +364,12 @@ class Delivery:
                 if q.overflow == "reject-publish-dlx":
                     self.dead_letter(q, e, "maxlen")
                 return False
+            dropped = False
             while q.messages and _over(q, size):
+                dropped = True
                 self.settle_dropped(q, q.messages.popleft(), "maxlen")
+            if dropped:
+                self._ttl_queues.note(q)
             if _over(q, size):
                 # Does not fit even in an empty queue: it is the head that is dropped.
                 if q.dlx is not None:
@@ -380,8 +385,13 @@ class Delivery:
             else:
                 lim = min(ttl, exp)
             e.expires_at = self._clock.now_ms + (lim or 0)
-            self._ttl_queues[(q.vhost, q.name)] = q
-        q.messages.append(e)
+            ttl_queues = self._ttl_queues
+            ttl_queues.join(q)
+            q.messages.append(e)
+            if q.messages[0] is e:
+                ttl_queues.note(q)
+        else:
+            q.messages.append(e)
         q.ready_bytes += size
         self._mark.queued_bytes += size
         return True
@@ -389,27 +399,76 @@ class Delivery:
     def track_ttl(self, q: Queue, e: Entry) -> None:
         """``e`` is back among ``q``'s ready messages: ticks must look at ``q`` if it expires."""
         if e.expires_at is not None:
-            self._ttl_queues[(q.vhost, q.name)] = q
+            self._ttl_queues.join(q)
+            self._ttl_queues.note(q)
 
     def expire_head(self, q: Queue) -> None:
         msgs = q.messages
         now = self._clock.now_ms
+        expired = False
         while msgs:
             e = msgs[0]
             if e.expires_at is None or e.expires_at > now:
-                return
+                break
             msgs.popleft()
+            expired = True
             self.settle_dropped(q, e, "expired")
+        if expired:
+            self._ttl_queues.note(q)
 
     def expire_ttl(self) -> None:
         """On a tick: expired heads leave their queues; a queue with none left that can expire
-        leaves the index."""
-        ttl_queues = self._ttl_queues
-        if ttl_queues:
-            for key, q in list(ttl_queues.items()):
-                self.expire_head(q)
-                if not q.messages:
-                    del ttl_queues[key]
+        leaves the index.
+
+        Same effect as visiting every queue of ``ttl_queues`` in its order (the index as it was
+        when the tick began), each once, at less cost: a visit is a no-op unless the queue is
+        *due* (its head expired, or it is empty), so only due queues are visited, in index
+        order. A queue that becomes due during the tick (dead letters reach it) is visited in
+        this tick if the walk has not passed its place yet, else on the next one, as the full
+        walk would."""
+        index = self._ttl_queues
+        heap = index.heap
+        if len(heap) > 64 + 4 * len(index):
+            index.rebuild()  # stale entries outnumber live ones: O(n) now and then
+        now = self._clock.now_ms
+        if not heap or heap[0][0] > now:
+            return
+        limit = index.next_order  # queues that join during the tick wait for the next one
+        ready: list[tuple[int, int, Queue]] = []
+        later: list[Queue] = []
+        cursor = -1
+        heappop = heapq.heappop
+        while True:
+            while heap and heap[0][0] <= now:
+                t, order, push, q = heappop(heap)
+                if q.ttl_due != t or q.ttl_order != order:
+                    continue  # stale: superseded, or the queue left the index
+                q.ttl_due = None
+                if cursor < order < limit:
+                    heapq.heappush(ready, (order, push, q))
+                else:
+                    later.append(q)  # visited already in this tick, or joined during it
+            if not ready:
+                break
+            order, _, q = heappop(ready)
+            if order == cursor:
+                continue  # noted twice before its visit: that visit saw the later state
+            cursor = order
+            self.expire_head(q)
+            if not q.messages:
+                index.leave(q)
+            else:
+                index.note(q)
+        for q in later:
+            index.note(q)
+
+    def expire_ttl_full(self) -> None:
+        """The reference sweep ``expire_ttl`` must match (tests): every queue of the index."""
+        index = self._ttl_queues
+        for q in list(index.values()):
+            self.expire_head(q)
+            if not q.messages:
+                index.leave(q)
 
     # ------------------------------------------------------------------ dead letters
 
@@ -497,10 +556,12 @@ class Delivery:
         # turn among equals; a lower one only while all higher ones cannot (prefetch full,
         # flow off, their connection not draining), as in RabbitMQ.
         ranked = n > 1 and q.ranked_consumers > 0
+        popped = False
         while msgs:
             e = msgs[0]
             if e.expires_at is not None and e.expires_at < now:
                 msgs.popleft()
+                popped = True
                 self.settle_dropped(q, e, "expired")
                 continue
             chosen: Consumer | None = None
@@ -538,9 +599,12 @@ class Delivery:
                 q.rr = (start + i + 1) % n
                 break
             if chosen is None:
-                return
+                break
             msgs.popleft()
+            popped = True
             self._deliver(chosen, q, e)
+        if popped and q.ttl_order >= 0:
+            self._ttl_queues.note(q)
 
     def _deliver(self, c: Consumer, q: Queue, e: Entry) -> None:
         ch = c.channel

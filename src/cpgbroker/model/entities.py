@@ -395,6 +395,10 @@ class Queue:
     deleted: bool = False
     # Every binding of the queue, for cleanup on delete.
     bindings: IdList[QueueBinding] = attrs.Factory(IdList)
+    # Derived (``topology.TtlQueues``, rebuilt on restore): the queue's join number in
+    # ``ttl_queues`` (-1 when not in it) and the due time of its live due-heap entry.
+    ttl_order: int = -1
+    ttl_due: int | None = None
 
 
 @attrs.define(eq=False)

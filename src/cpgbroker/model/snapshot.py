@@ -80,6 +80,8 @@ NOT_REPLICATED = {
     },
     "Binding": {"seq"},
     "Topology": {"_expiry_heap", "_expiry_seq"},
+    # Derived from ``ttl_queues`` (``TtlQueues.rebuild`` on restore).
+    "Queue": {"ttl_order", "ttl_due"},
 }
 
 

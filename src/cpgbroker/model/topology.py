@@ -70,6 +70,79 @@ PREDECLARED = (
 
 QueueKey = tuple[str, str]
 
+# The due time of a queue with no ready messages: it leaves ``ttl_queues`` on the next tick.
+EMPTY_DUE = -(1 << 63)
+
+
+class TtlQueues(dict[QueueKey, Queue]):
+    """``Topology.ttl_queues``: the queues whose head may expire, in the order they joined
+    (the order a tick expires them in; snapshots carry it), plus a derived due-heap so that a
+    tick visits only the queues with something to do.
+
+    A queue is *due* when its head has expired (``expires_at <= now``) or it is empty (a tick
+    drops it from the index); visiting any other queue is a no-op. ``Queue.ttl_order`` is the
+    join number (increasing, so sorting by it is the dict's order; -1 when not in the index);
+    ``heap`` holds ``(due time, ttl_order, push number, queue)``, validated lazily when popped
+    (``Queue.ttl_due`` names the one live entry of a queue). Whoever changes a queue's head
+    calls ``note``: a due time only ever gets earlier through a ``note``."""
+
+    __slots__ = ("heap", "next_order", "pushes")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heap: list[tuple[int, int, int, Queue]] = []
+        self.next_order = 0
+        self.pushes = 0
+
+    def join(self, q: Queue) -> None:
+        """``q`` holds a message that can expire: into the index (at the end if new)."""
+        key = (q.vhost, q.name)
+        old = self.get(key)
+        if old is q:
+            return
+        self[key] = q
+        if old is None:
+            q.ttl_order = self.next_order
+            self.next_order += 1
+        else:  # never expected: the key keeps its place, as a dict's does
+            q.ttl_order = old.ttl_order
+            old.ttl_order = -1
+            old.ttl_due = None
+
+    def leave(self, q: Queue) -> None:
+        if self.get((q.vhost, q.name)) is q:
+            del self[(q.vhost, q.name)]
+            q.ttl_order = -1
+            q.ttl_due = None
+
+    def note(self, q: Queue) -> None:
+        """``q``'s head may have changed: schedule it if it may now be due sooner."""
+        if q.ttl_order < 0:
+            return
+        msgs = q.messages
+        if msgs:
+            t = msgs[0].expires_at
+            if t is None:
+                return
+        else:
+            t = EMPTY_DUE
+        due = q.ttl_due
+        if due is None or t < due:
+            q.ttl_due = t
+            self.pushes += 1
+            heapq.heappush(self.heap, (t, q.ttl_order, self.pushes, q))
+
+    def rebuild(self) -> None:
+        """Recompute the derived state from the index (restore; a heap grown stale)."""
+        self.heap.clear()
+        self.pushes = 0
+        self.next_order = 0
+        for q in self.values():
+            q.ttl_order = self.next_order
+            self.next_order += 1
+            q.ttl_due = None
+            self.note(q)
+
 
 class VHost:
     __slots__ = ("binding_count", "exchanges", "name", "queues")
@@ -120,7 +193,7 @@ class Topology:
         # Client URLs of the cluster's members (empty standalone), in the cluster's order.
         self.member_urls = member_urls
         # Queues with an entry that can expire / with x-expires, checked on ticks.
-        self.ttl_queues: dict[QueueKey, Queue] = {}
+        self.ttl_queues = TtlQueues()
         self.expiring: dict[QueueKey, Queue] = {}
         self._clock = clock
         self._out = out
@@ -179,6 +252,7 @@ class Topology:
         self.member_urls = member_urls
         self.ttl_queues.clear()
         self.ttl_queues.update(((q.vhost, q.name), q) for q in ttl_queues)
+        self.ttl_queues.rebuild()
         self.expiring.clear()
         self.expiring.update(((q.vhost, q.name), q) for q in expiring)
         # Derived indexes: binding counts, the x-expires heap.
@@ -460,6 +534,7 @@ class Topology:
         for e in q.messages:
             release(q, e)
         q.messages.clear()
+        self.ttl_queues.note(q)
         if not m.nowait:
             self._out.send_method(conn, ch.id, commands.Queue.PurgeOk(message_count=count))
 
@@ -493,7 +568,7 @@ class Topology:
         q.deleted = True
         vh.queues.pop(q.name, None)
         key = (q.vhost, q.name)
-        self.ttl_queues.pop(key, None)
+        self.ttl_queues.leave(q)
         self.expiring.pop(key, None)
         for bd in q.bindings:
             ex = vh.exchanges.get(bd.exchange)
