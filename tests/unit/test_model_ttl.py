@@ -1,5 +1,5 @@
-"""Message TTL ticks (``Delivery.expire_ttl`` over ``topology.TtlQueues``' due-heap) behave
-exactly as the full sweep of every queue in ``ttl_queues`` did (``Delivery.expire_ttl_full``):
+"""Message TTL ticks (``Delivery.expire_ttl`` over ``ttlindex.TtlQueues``' due-heap) behave
+exactly as the full sweep of every queue in ``ttl_queues`` did (``full_sweep`` below):
 same effects and same state digest after every event of random workloads with x-message-ttl,
 per-message expiration, priorities, drop-head and dead-letter cycles, also across snapshot
 restore; and a tick visits the queues that are due, not every queue that holds TTL'd messages
@@ -17,7 +17,7 @@ from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.delivery import Delivery
 from cpgbroker.model.events import Event, Tick
-from cpgbroker.model.topology import EMPTY_DUE
+from cpgbroker.model.ttlindex import EMPTY_DUE
 from modelclient import Harness
 
 QUEUE_ARGS: tuple[dict[str, Any], ...] = (
@@ -32,6 +32,16 @@ QUEUE_ARGS: tuple[dict[str, Any], ...] = (
     {},
 )
 EXPIRATIONS = (None, None, "0", "30", "150", "400", "5000")
+
+
+def full_sweep(self: Delivery) -> None:
+    """The reference ``Delivery.expire_ttl`` must match: every queue of the index, in its
+    order, as ticks did before the due-heap."""
+    index = self._ttl_queues
+    for q in list(index.values()):
+        self.expire_head(q)
+        if not q.messages:
+            index.leave(q)
 
 
 def _workload(seed: int, steps: int) -> list[Event]:
@@ -155,7 +165,7 @@ def test_ttl_ticks_match_the_full_sweep(seed: int, monkeypatch: pytest.MonkeyPat
         r.apply(ev)  # its connections do not emit (output is not state): digests only
         restored.append(S.digest(r))
     # The reference: every tick visits every queue of the index, in its order.
-    monkeypatch.setattr(Delivery, "expire_ttl", Delivery.expire_ttl_full)
+    monkeypatch.setattr(Delivery, "expire_ttl", full_sweep)
     want = _run(log, Broker())
     monkeypatch.undo()
     assert len(got) == len(want)

@@ -38,7 +38,8 @@ from cpgbroker.model.entities import (
 )
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output
-from cpgbroker.model.topology import Topology, amqp_type, generated_name
+from cpgbroker.model.queueargs import amqp_type
+from cpgbroker.model.topology import Topology, generated_name
 from cpgbroker.wire import fastpath as fp
 
 R = ReplyCode

@@ -54,7 +54,8 @@ from cpgbroker.model.events import WantOutput
 from cpgbroker.model.exchange import Exchange
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output, basic_return
-from cpgbroker.model.topology import FAILOVER_EXCHANGE, TtlQueues, VHost
+from cpgbroker.model.topology import FAILOVER_EXCHANGE, VHost
+from cpgbroker.model.ttlindex import TtlQueues
 from cpgbroker.model.validate import dead_letter_problem
 from cpgbroker.wire.fastpath import (
     HeaderInfo,
@@ -461,14 +462,6 @@ class Delivery:
                 index.note(q)
         for q in later:
             index.note(q)
-
-    def expire_ttl_full(self) -> None:
-        """The reference sweep ``expire_ttl`` must match (tests): every queue of the index."""
-        index = self._ttl_queues
-        for q in list(index.values()):
-            self.expire_head(q)
-            if not q.messages:
-                index.leave(q)
 
     # ------------------------------------------------------------------ dead letters
 

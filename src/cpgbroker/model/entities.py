@@ -395,7 +395,7 @@ class Queue:
     deleted: bool = False
     # Every binding of the queue, for cleanup on delete.
     bindings: IdList[QueueBinding] = attrs.Factory(IdList)
-    # Derived (``topology.TtlQueues``, rebuilt on restore): the queue's join number in
+    # Derived (``ttlindex.TtlQueues``, rebuilt on restore): the queue's join number in
     # ``ttl_queues`` (-1 when not in it) and the due time of its live due-heap entry.
     ttl_order: int = -1
     ttl_due: int | None = None

@@ -47,9 +47,6 @@ class Limits:
     """The broker's limits (compared by value: the configuration, equal on every replica)."""
 
     config: BrokerConfig = attrs.Factory(BrokerConfig)
-    # The broker's connections (read only; not compared: replicas hold their own). The checks
-    # do not scan them: they read the counters below.
-    connections: dict[int, Connection] = attrs.field(factory=dict, eq=False, repr=False)
     # Derived counts (see the module docstring), compared: a restored replica must hold the
     # same. Only non-zero counts are present.
     vhost_connections: dict[str, int] = attrs.Factory(dict)

@@ -36,13 +36,11 @@ from pamqp import commands
 
 from cpgbroker.errors import ChannelError, ConnectionError_, InvariantError, ReplyCode
 from cpgbroker.model.entities import (
-    MAX_PRIORITY,
     Channel,
     Connection,
     Queue,
     QueueBinding,
     detach_unacked,
-    ready_messages,
 )
 from cpgbroker.model.exchange import EXCHANGE_TYPES, Binding, Exchange
 from cpgbroker.model.limits import (
@@ -53,6 +51,8 @@ from cpgbroker.model.limits import (
 )
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output, queue_declare_ok
+from cpgbroker.model.queueargs import QUEUE_ARGS, apply_queue_args, fmt
+from cpgbroker.model.ttlindex import QueueKey, TtlQueues
 
 R = ReplyCode
 
@@ -67,81 +67,6 @@ PREDECLARED = (
     ("amq.headers", "headers"),
     ("amq.match", "headers"),
 )
-
-QueueKey = tuple[str, str]
-
-# The due time of a queue with no ready messages: it leaves ``ttl_queues`` on the next tick.
-EMPTY_DUE = -(1 << 63)
-
-
-class TtlQueues(dict[QueueKey, Queue]):
-    """``Topology.ttl_queues``: the queues whose head may expire, in the order they joined
-    (the order a tick expires them in; snapshots carry it), plus a derived due-heap so that a
-    tick visits only the queues with something to do.
-
-    A queue is *due* when its head has expired (``expires_at <= now``) or it is empty (a tick
-    drops it from the index); visiting any other queue is a no-op. ``Queue.ttl_order`` is the
-    join number (increasing, so sorting by it is the dict's order; -1 when not in the index);
-    ``heap`` holds ``(due time, ttl_order, push number, queue)``, validated lazily when popped
-    (``Queue.ttl_due`` names the one live entry of a queue). Whoever changes a queue's head
-    calls ``note``: a due time only ever gets earlier through a ``note``."""
-
-    __slots__ = ("heap", "next_order", "pushes")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.heap: list[tuple[int, int, int, Queue]] = []
-        self.next_order = 0
-        self.pushes = 0
-
-    def join(self, q: Queue) -> None:
-        """``q`` holds a message that can expire: into the index (at the end if new)."""
-        key = (q.vhost, q.name)
-        old = self.get(key)
-        if old is q:
-            return
-        self[key] = q
-        if old is None:
-            q.ttl_order = self.next_order
-            self.next_order += 1
-        else:  # never expected: the key keeps its place, as a dict's does
-            q.ttl_order = old.ttl_order
-            old.ttl_order = -1
-            old.ttl_due = None
-
-    def leave(self, q: Queue) -> None:
-        if self.get((q.vhost, q.name)) is q:
-            del self[(q.vhost, q.name)]
-            q.ttl_order = -1
-            q.ttl_due = None
-
-    def note(self, q: Queue) -> None:
-        """``q``'s head may have changed: schedule it if it may now be due sooner."""
-        if q.ttl_order < 0:
-            return
-        msgs = q.messages
-        if msgs:
-            t = msgs[0].expires_at
-            if t is None:
-                return
-        else:
-            t = EMPTY_DUE
-        due = q.ttl_due
-        if due is None or t < due:
-            q.ttl_due = t
-            self.pushes += 1
-            heapq.heappush(self.heap, (t, q.ttl_order, self.pushes, q))
-
-    def rebuild(self) -> None:
-        """Recompute the derived state from the index (restore; a heap grown stale)."""
-        self.heap.clear()
-        self.pushes = 0
-        self.next_order = 0
-        for q in self.values():
-            q.ttl_order = self.next_order
-            self.next_order += 1
-            q.ttl_due = None
-            self.note(q)
 
 
 class VHost:
@@ -203,7 +128,7 @@ class Topology:
         # Publishes the member list to a queue just bound to amq.failover (delivery does).
         self.on_failover_bind: Callable[[Queue, tuple[str, ...]], None] = _unwired
         # Configured by the connections component (which is given the broker's config).
-        self.limits = Limits(connections=connections)
+        self.limits = Limits()
         # Derived index of ``expiring``: (deadline no later than the real one, tiebreak,
         # queue), so that a tick looks only at queues whose x-expires may be due.
         self._expiry_heap: list[tuple[int, int, Queue]] = []
@@ -662,130 +587,3 @@ def _drop_queue_binding(b: Binding) -> None:
     q = b.dest
     if isinstance(q, Queue) and b.qb is not None:
         q.bindings.discard(b.qb)
-
-
-def fmt(v: Any, typed: bool = False) -> str:
-    if v is None:
-        return "none"
-    text = ("'true'" if v else "'false'") if isinstance(v, bool) else f"'{v}'"
-    return f"the value {text} of type '{amqp_type(v)}'" if typed else text
-
-
-# Queue arguments we implement; they must match on redeclare (RabbitMQ's equivalence check).
-QUEUE_ARGS = (
-    "x-message-ttl",
-    "x-expires",
-    "x-max-length",
-    "x-max-length-bytes",
-    "x-overflow",
-    "x-dead-letter-exchange",
-    "x-dead-letter-routing-key",
-    "x-max-priority",
-    "x-queue-type",
-    "x-single-active-consumer",
-    "x-delivery-limit",
-)
-
-
-def apply_queue_args(q: Queue, args: dict[str, Any]) -> None:
-    """Validate a new queue's declare arguments (RabbitMQ's checks and wording) and set the
-    limits and policies they ask for."""
-
-    def invalid(key: str, why: str) -> ChannelError:
-        return ChannelError(
-            R.PRECONDITION_FAILED,
-            f"invalid arg '{key}' for queue '{q.name}' in vhost '{q.vhost}': {why}",
-        )
-
-    def int_arg(key: str, minimum: int) -> int | None:
-        if key not in args:
-            return None
-        v = args[key]
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise invalid(key, f"{{unacceptable_type,{type(v).__name__}}}")
-        if v < minimum:
-            raise invalid(key, f"{{value_negative,{v}}}" if v < 0 else f"{{value_zero,{v}}}")
-        return v
-
-    q.ttl = int_arg("x-message-ttl", 0)
-    q.expires = int_arg("x-expires", 1)
-    q.max_length = int_arg("x-max-length", 0)
-    q.max_length_bytes = int_arg("x-max-length-bytes", 0)
-    overflow = args.get("x-overflow", "drop-head")
-    if overflow not in ("drop-head", "reject-publish", "reject-publish-dlx"):
-        raise invalid("x-overflow", f"{{unknown_overflow,{overflow}}}")
-    q.overflow = str(overflow)
-    dlx = args.get("x-dead-letter-exchange")
-    if dlx is not None and not isinstance(dlx, str):
-        raise invalid("x-dead-letter-exchange", "{unacceptable_type,not a string}")
-    q.dlx = dlx
-    dlrk = args.get("x-dead-letter-routing-key")
-    if dlrk is not None:
-        if not isinstance(dlrk, str):
-            raise invalid("x-dead-letter-routing-key", "{unacceptable_type,not a string}")
-        if dlx is None:
-            raise invalid(
-                "x-dead-letter-routing-key", "Key x-dead-letter-exchange should be present"
-            )
-    q.dlrk = dlrk
-    qtype = args.get("x-queue-type", "classic")
-    if qtype not in ("classic", "quorum"):
-        raise invalid("x-queue-type", f"unsupported queue type '{qtype}'")
-    top = args.get("x-max-priority")
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int)):
-        # (RabbitMQ words this one check differently from the others.)
-        raise invalid("x-max-priority", f'"expected integer, got {amqp_type(top)}"')
-    top = int_arg("x-max-priority", 0)
-    if top is not None and top > MAX_PRIORITY:
-        raise invalid("x-max-priority", f"{{max_value_exceeded,{top}}}")
-    if top is not None and qtype == "quorum":
-        # Every queue here is replicated, but an application written against us should
-        # still declare on RabbitMQ, whose quorum queues refuse priorities.
-        raise ChannelError(
-            R.PRECONDITION_FAILED,
-            f"invalid arg 'x-max-priority' for queue '{q.name}' in vhost '{q.vhost}' "
-            "of queue type rabbit_quorum_queue",
-        )
-    q.messages = ready_messages(args)
-    q.quorum = qtype == "quorum"
-    if q.quorum:
-        # As RabbitMQ: a quorum queue is durable and outlives its declarer.
-        for bad, prop in (
-            (not q.durable, "non-durable"),
-            (q.exclusive_owner is not None, "exclusive-owner"),
-            (q.auto_delete, "auto-delete"),
-        ):
-            if bad:
-                raise ChannelError(
-                    R.PRECONDITION_FAILED,
-                    f"invalid property '{prop}' for queue '{q.name}' in vhost '{q.vhost}'",
-                )
-    elif "x-delivery-limit" in args:
-        raise ChannelError(
-            R.PRECONDITION_FAILED,
-            f"invalid arg 'x-delivery-limit' for queue '{q.name}' in vhost '{q.vhost}' "
-            "of queue type rabbit_classic_queue",
-        )
-    q.delivery_limit = int_arg("x-delivery-limit", 0)
-    sac = args.get("x-single-active-consumer", False)
-    if not isinstance(sac, bool):
-        raise invalid("x-single-active-consumer", f"{{unacceptable_type,{amqp_type(sac)}}}")
-    q.single_active = sac
-
-
-def amqp_type(v: object) -> str:
-    """The field-table type name of a decoded argument, as RabbitMQ names it in errors."""
-    for t, name in (
-        (bool, "bool"),
-        (str, "longstr"),
-        (bytes, "longstr"),
-        (float, "double"),
-        (dict, "table"),
-        (list, "array"),
-    ):
-        if isinstance(v, t):
-            return name
-    if isinstance(v, int):
-        # What the value travelled as, as pika and most clients encode a Python int.
-        return "signedint" if -(1 << 31) <= v < (1 << 31) else "long"
-    return "void" if v is None else type(v).__name__
