@@ -159,7 +159,7 @@ def test_pamqps_other_validation_still_applies() -> None:
     assert "Max length exceeded for virtual_host" in close.reply_text
 
 
-def test_a_name_that_is_not_utf8_is_still_a_syntax_error() -> None:
+def test_a_name_that_is_not_utf8_is_a_frame_error_as_in_rabbitmq() -> None:
     _h, c = _open()
     good = marshal_unchecked(1, C.Queue.Declare, queue="ab")
     # The queue name's two bytes (after index, ticket and the length octet) become invalid UTF-8.
@@ -167,7 +167,10 @@ def test_a_name_that_is_not_utf8_is_still_a_syntax_error() -> None:
     bad = good[:payload_at] + b"\xff\xfe" + good[payload_at + 2 :]
     c.send_raw(bad)
     close = c.methods()[-1]
-    assert isinstance(close, C.Connection.Close) and close.reply_code == 502
+    # RabbitMQ 3.10.8 answers "501 FRAME_ERROR - Malformed UTF-8 in shortstr" (measured).
+    assert isinstance(close, C.Connection.Close) and close.reply_code == 501
+    assert close.reply_text == "FRAME_ERROR - Malformed UTF-8 in shortstr"
+    assert (close.class_id, close.method_id) == (50, 10)
 
 
 def test_an_unroutable_mandatory_publish_returns_the_odd_exchange_name() -> None:

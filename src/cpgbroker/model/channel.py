@@ -8,12 +8,18 @@ a channel exception (``channel_error``: channel.close with the spec's reply code
 connection stays open) and giving back what a closing channel holds (``release_channel``).
 
 Every method but the fast ones (publish, ack, nack, reject: struct-decoded by their
-handlers) is decoded by pamqp and checked with its ``validate()`` in :func:`decode_method`,
-with two exceptions: the 0-8 fields that 0-9-1 reserved are reset to their defaults first
-(real clients still fill them), and queue and exchange names are not held to pamqp's name
-pattern (letters, digits, ``-_.:@#,/+`` and space, 127 characters at most). RabbitMQ takes
-any UTF-8 shortstr as a name, up to 255 bytes, and so do we; the rules for names are the
-broker's, with RabbitMQ's reply codes (``topology.py``).
+handlers) is decoded by pamqp and checked with its ``validate()`` in :func:`decode_method`.
+Its arguments are walked by ``wire/tables.py`` first, because pamqp takes a short string cut
+short for a shorter one, ignores bytes after the last argument and recurses into tables:
+arguments that do not decode (cut short, followed by stray bytes, holding a malformed table)
+are 501 FRAME_ERROR ``cannot decode <<...>>``, as in RabbitMQ 3.10.8 (``wire/fastpath.py``);
+a well-formed table over our depth or size limits stays 502 SYNTAX_ERROR (RabbitMQ would take
+it: a limit of ours, not a decoding failure). ``validate()`` has two exceptions: the 0-8
+fields that 0-9-1 reserved are reset to their defaults first (real clients still fill them),
+and queue and exchange names are not held to pamqp's name pattern (letters, digits,
+``-_.:@#,/+`` and space, 127 characters at most). RabbitMQ takes any UTF-8 shortstr as a
+name, up to 255 bytes, and so do we; the rules for names are the broker's, with RabbitMQ's
+reply codes (``topology.py``).
 
 A handler reports a client's error by raising :class:`~cpgbroker.errors.AMQPError`; the
 connection protocol turns it into a close at exactly one place (``connection.py``).
@@ -38,7 +44,8 @@ from cpgbroker.model.limits import check_channel_open
 from cpgbroker.model.output import Output
 from cpgbroker.model.topology import Topology
 from cpgbroker.model.transactions import Transactions
-from cpgbroker.wire.tables import check_fields
+from cpgbroker.wire.fastpath import cannot_decode, malformed_utf8
+from cpgbroker.wire.tables import TableError, TableLimitError, check_fields
 
 R = ReplyCode
 
@@ -76,9 +83,22 @@ def _name_fields(cls: type) -> tuple[str, ...]:
     return names
 
 
+# What pamqp raises on bytes it cannot decode.
+_DECODE_ERRORS = (
+    PAMQPException,
+    ValueError,
+    TypeError,
+    IndexError,
+    KeyError,
+    OverflowError,
+    struct.error,
+)
+
+
 def decode_method(payload: bytes, index: int) -> Any:
-    """A method frame's payload decoded by pamqp and validated (see module docstring);
-    malformed arguments are 502 SYNTAX_ERROR, an unknown method 540 NOT_IMPLEMENTED."""
+    """A method frame's payload decoded by pamqp and validated (see module docstring):
+    arguments that do not decode are 501 FRAME_ERROR, tables over our limits 502 SYNTAX_ERROR,
+    an unknown method 540 NOT_IMPLEMENTED."""
     cls = commands.INDEX_MAPPING.get(index)
     if cls is None:
         raise ConnectionError_(
@@ -87,13 +107,25 @@ def decode_method(payload: bytes, index: int) -> Any:
             class_id=index >> 16,
             method_id=index & 0xFFFF,
         )
+    try:
+        # pamqp decodes tables recursively and trusts lengths: walk the arguments first.
+        end = check_fields(_arg_types(cls), payload, 4)
+    except TableLimitError as e:
+        raise _syntax_error(index, e) from None
+    except TableError:
+        raise cannot_decode(payload) from None
+    if end != len(payload):
+        raise cannot_decode(payload)
     method = cls()
     try:
-        types = _table_args(cls)
-        if types is not None:
-            # pamqp decodes tables recursively: check them iteratively first (wire/tables.py).
-            check_fields(types, payload, 4)
         method.unmarshal(payload[4:])
+    except UnicodeDecodeError:
+        raise malformed_utf8(payload) from None
+    except _DECODE_ERRORS:
+        # Not expected once the walk above accepted the arguments (a timestamp pamqp cannot
+        # turn into a datetime would be one): still bytes that do not decode.
+        raise cannot_decode(payload) from None
+    try:
         # 0-9-1 turned these 0-8 fields into reserved ones the server must ignore, and
         # real clients still fill them (pika sends insist=True); pamqp's validate()
         # insists on the defaults, so reset them before validating the rest.
@@ -112,22 +144,9 @@ def decode_method(payload: bytes, index: int) -> Any:
                 setattr(method, f, v)
         else:
             method.validate()
-    except (
-        PAMQPException,
-        ValueError,
-        TypeError,
-        IndexError,
-        KeyError,
-        UnicodeError,
-        struct.error,
-        OverflowError,
-    ) as e:
-        raise ConnectionError_(
-            R.SYNTAX_ERROR,
-            f"malformed {method_name(index)} arguments: {e}",
-            class_id=index >> 16,
-            method_id=index & 0xFFFF,
-        ) from None
+    except (PAMQPException, ValueError, TypeError) as e:
+        # Decoded, but outside what pamqp allows (a virtual host of more than 127 characters).
+        raise _syntax_error(index, e) from None
     if index in _BINDS and isinstance(method.arguments.get("x-match"), bytes):
         # A long string that is not UTF-8 (pamqp gives bytes): the headers exchange could not
         # read it when routing. RabbitMQ refuses x-match values it does not know with 406.
@@ -140,20 +159,27 @@ def decode_method(payload: bytes, index: int) -> Any:
     return method
 
 
-def _table_args(cls: type) -> tuple[str, ...] | None:
-    """The AMQP types of ``cls``'s arguments in order if one of them is a table, else None."""
+def _syntax_error(index: int, e: Exception) -> ConnectionError_:
+    return ConnectionError_(
+        R.SYNTAX_ERROR,
+        f"malformed {method_name(index)} arguments: {e}",
+        class_id=index >> 16,
+        method_id=index & 0xFFFF,
+    )
+
+
+def _arg_types(cls: type) -> tuple[str, ...]:
+    """The AMQP types of ``cls``'s arguments, in order (pamqp's names)."""
     try:
-        return _table_args_by_class[cls]
+        return _arg_types_by_class[cls]
     except KeyError:
         pass
     slots = getattr(cls, "__slots__", ())
-    types = tuple(str(getattr(cls, "_" + name)) for name in slots)
-    found = types if "table" in types else None
-    _table_args_by_class[cls] = found
-    return found
+    types = _arg_types_by_class[cls] = tuple(str(getattr(cls, "_" + name)) for name in slots)
+    return types
 
 
-_table_args_by_class: dict[type, tuple[str, ...] | None] = {}
+_arg_types_by_class: dict[type, tuple[str, ...]] = {}
 _BINDS = frozenset({commands.Queue.Bind.index, commands.Exchange.Bind.index})
 
 
@@ -211,13 +237,8 @@ class Channels:
         """A method on channel ``ch`` (not 0) of an open connection."""
         channel = conn.channels.get(ch)
         cls_id = index >> 16
-        if cls_id == CONNECTION_CLASS:
-            raise ConnectionError_(
-                R.COMMAND_INVALID,
-                f"{method_name(index)} is only allowed on channel 0",
-                class_id=cls_id,
-                method_id=index & 0xFFFF,
-            )
+        # The checks come in RabbitMQ's order: an unopened channel first (504 even for a
+        # connection-class method), then a closing one, then content expected (505).
         if channel is None:
             if index != commands.Channel.Open.index:
                 raise ConnectionError_(
@@ -255,6 +276,13 @@ class Channels:
                 R.UNEXPECTED_FRAME,
                 f"expected content header for basic.publish on channel {ch}, "
                 f"got {method_name(index)}",
+                class_id=cls_id,
+                method_id=index & 0xFFFF,
+            )
+        if cls_id == CONNECTION_CLASS:
+            raise ConnectionError_(
+                R.COMMAND_INVALID,
+                f"{method_name(index)} is only allowed on channel 0",
                 class_id=cls_id,
                 method_id=index & 0xFFFF,
             )

@@ -88,6 +88,14 @@ _EXPECTED = {
     AWAIT_OPEN: IDX_CONNECTION_OPEN,
 }
 
+# RabbitMQ's names of the connection states, for its "unexpected method" text.
+_STATE_NAMES = {
+    AWAIT_START_OK: "starting",
+    AWAIT_TUNE_OK: "tuning",
+    AWAIT_OPEN: "opening",
+    OPEN: "running",
+}
+
 # How long (ms of cluster time) a connection we closed may take to answer close-ok.
 CLOSE_TIMEOUT_MS = 3000
 # How long a client may take from TCP connect to connection.open (RabbitMQ: 10 s).
@@ -259,8 +267,10 @@ class Connections:
                 return
             if conn.state == CLOSING:
                 return
+            # RabbitMQ 3.10.8: a frame on a channel before connection.open is out of place, 505
+            # (as a content frame is, below).
             raise ConnectionError_(
-                R.CHANNEL_ERROR if conn.state == OPEN else R.COMMAND_INVALID,
+                R.UNEXPECTED_FRAME,
                 f"unexpected {method_name(index)} on channel {ch} before connection.open",
             )
         if ftype == FRAME_HEARTBEAT:
@@ -306,12 +316,7 @@ class Connections:
         if index >> 16 != CONNECTION_CLASS:
             # RabbitMQ (and the spec's "work with a channel that had not been correctly
             # opened"): 504 CHANNEL_ERROR.
-            raise ConnectionError_(
-                R.CHANNEL_ERROR,
-                f"{method_name(index)} is not allowed on channel 0",
-                class_id=index >> 16,
-                method_id=index & 0xFFFF,
-            )
+            raise _unexpected(state, index)
         m = decode_method(payload, index)
         if index == IDX_CONNECTION_CLOSE:
             self._release(conn)
@@ -323,15 +328,10 @@ class Connections:
             # RabbitMQ's internal user store, acknowledge it.
             self._send_method(conn, 0, commands.Connection.UpdateSecretOk())
             return
-        expected = _EXPECTED.get(state)
-        if expected is None or index != expected:
-            raise ConnectionError_(
-                R.COMMAND_INVALID,
-                f"unexpected {method_name(index)}"
-                + (f", expected {method_name(expected)}" if expected else ""),
-                class_id=index >> 16,
-                method_id=index & 0xFFFF,
-            )
+        if index != _EXPECTED.get(state):
+            # RabbitMQ 3.10.8 answers 504 here too, in every state it answers at all (before
+            # tune-ok it closes the socket after 3 s without a word; we say why).
+            raise _unexpected(state, index)
         if state == AWAIT_START_OK:
             self._start_ok(conn, m)
         elif state == AWAIT_TUNE_OK:
@@ -560,3 +560,13 @@ class Connections:
                 continue
             if now_ms - conn.last_tx_ms >= hb // 2:
                 self._out.emit(conn, HEARTBEAT_FRAME)
+
+
+def _unexpected(state: int, index: int) -> ConnectionError_:
+    """A method on channel 0 that the connection's state does not take: RabbitMQ's 504."""
+    return ConnectionError_(
+        R.CHANNEL_ERROR,
+        f"unexpected method in connection state {_STATE_NAMES.get(state, str(state))}",
+        class_id=index >> 16,
+        method_id=index & 0xFFFF,
+    )

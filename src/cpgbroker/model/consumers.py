@@ -23,7 +23,7 @@ from typing import Any
 from pamqp import commands
 
 from cpgbroker.errors import ChannelError, ConnectionError_, ReplyCode
-from cpgbroker.model.delivery import Delivery, fast_decode
+from cpgbroker.model.delivery import Delivery
 from cpgbroker.model.entities import (
     Channel,
     Connection,
@@ -243,7 +243,7 @@ class Consumers:
 
     def basic_ack(self, ch: Channel, payload: bytes) -> None:
         """basic.ack, the fast path (struct-decoded)."""
-        tag, multiple = fast_decode(fp.decode_ack, payload, "basic.ack", 80)
+        tag, multiple = fp.decode_ack(payload)
         if ch.tx:
             self._check_tags(ch, tag, multiple, 80)
             ch.tx_ops.append(TxAck(tag, multiple))
@@ -251,7 +251,7 @@ class Consumers:
         self.settle(ch, tag, multiple, None, 80)
 
     def b_nack(self, conn: Connection, ch: Channel, payload: bytes) -> None:
-        tag, multiple, requeue = fast_decode(fp.decode_nack, payload, "basic.nack", 120)
+        tag, multiple, requeue = fp.decode_nack(payload)
         if ch.tx:
             self._check_tags(ch, tag, multiple, 120)
             ch.tx_ops.append(TxNack(tag, multiple, requeue))
@@ -259,7 +259,7 @@ class Consumers:
         self.settle(ch, tag, multiple, requeue, 120)
 
     def b_reject(self, conn: Connection, ch: Channel, payload: bytes) -> None:
-        tag, requeue = fast_decode(fp.decode_reject, payload, "basic.reject", 90)
+        tag, requeue = fp.decode_reject(payload)
         if ch.tx:
             self._check_tags(ch, tag, False, 90)
             ch.tx_ops.append(TxNack(tag, False, requeue))

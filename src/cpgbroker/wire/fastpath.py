@@ -5,16 +5,21 @@ basic.ack/nack/reject and of encoding basic.deliver bounds the whole cluster. pa
 on a publish decode where ``struct.unpack_from`` takes ~1 us. The property tests compare each
 function here with pamqp on generated input (``tests/property/test_fastpath.py``).
 
-Decoders raise :class:`ValueError` (``IndexError`` from the method decoders, which index bytes)
-on malformed input, never ``struct.error`` (not a ValueError): lengths are checked before
-unpacking. The model turns that into 502 SYNTAX_ERROR (methods) or 501 FRAME_ERROR (content
-headers).
+The method decoders are total: arguments that do not decode raise the connection error
+RabbitMQ 3.10.8 answers with (:func:`cannot_decode`: 501 FRAME_ERROR, ``cannot decode`` and the
+argument bytes, as its decoder reports a binary that does not match the method's layout, cut
+short or with bytes after the last argument; :func:`malformed_utf8` for a short string that is
+not UTF-8), and nothing else. ``decode_method`` (``model/channel.py``) uses the same two for
+the methods pamqp decodes. The content-header parser raises :class:`ValueError` (``IndexError``
+for a property past the end), never ``struct.error`` (lengths are checked before unpacking);
+the model turns that into 501 FRAME_ERROR.
 """
 
 from __future__ import annotations
 
 import struct
 
+from cpgbroker.errors import ConnectionError_, ReplyCode
 from cpgbroker.wire.framer import FRAME_BODY, FRAME_END_BYTE, FRAME_HEADER, FRAME_METHOD
 from cpgbroker.wire.tables import check_table, check_timestamp
 
@@ -38,25 +43,67 @@ def method_index(payload: bytes) -> int:
     return int(_U32.unpack_from(payload, 0)[0])
 
 
+# A reply text is a short string: RabbitMQ cuts a longer one to 252 bytes and "...".
+_REPLY_TEXT_MAX = 255
+_FRAME_ERROR_PREFIX = f"{ReplyCode.FRAME_ERROR.name} - "
+# Argument bytes worth printing: more always makes the text longer than a short string holds.
+_PRINTED_BYTES = _REPLY_TEXT_MAX // 2
+
+
+def cannot_decode(payload: bytes) -> ConnectionError_:
+    """The error for a method frame (``payload``: class and method id, then the arguments)
+    whose arguments do not decode: RabbitMQ's 501 ``cannot decode <<...>>``, the argument bytes
+    printed as Erlang prints a binary, the text cut as RabbitMQ cuts it."""
+    index = method_index(payload)
+    shown = ",".join(map(str, payload[4 : 4 + _PRINTED_BYTES]))
+    text = f"{_FRAME_ERROR_PREFIX}cannot decode <<{shown}>>"
+    if len(text) > _REPLY_TEXT_MAX:  # all ASCII: characters are bytes
+        text = text[: _REPLY_TEXT_MAX - 3] + "..."
+    return ConnectionError_(
+        ReplyCode.FRAME_ERROR,
+        text[len(_FRAME_ERROR_PREFIX) :],
+        class_id=index >> 16,
+        method_id=index & 0xFFFF,
+    )
+
+
+def malformed_utf8(payload: bytes) -> ConnectionError_:
+    """The error for a method frame with a short-string argument that is not UTF-8 (RabbitMQ's
+    text; it names no method, we do)."""
+    index = method_index(payload)
+    return ConnectionError_(
+        ReplyCode.FRAME_ERROR,
+        "Malformed UTF-8 in shortstr",
+        class_id=index >> 16,
+        method_id=index & 0xFFFF,
+    )
+
+
 def decode_publish(payload: bytes) -> tuple[str, str, bool, bool]:
     """basic.publish arguments: ``(exchange, routing_key, mandatory, immediate)``."""
     # layout: u32 index | u16 ticket | shortstr exchange | shortstr routing-key | bits
-    n = payload[6]
-    p = 7 + n
-    exchange = payload[7:p].decode()
-    m = payload[p]
-    q = p + 1 + m
-    routing_key = payload[p + 1 : q].decode()
-    bits = payload[q]
-    if len(payload) != q + 1 or len(exchange.encode()) != n:
-        raise ValueError("basic.publish arguments have the wrong length")
+    try:
+        n = payload[6]
+        p = 7 + n
+        m = payload[p]
+        q = p + 1 + m
+        bits = payload[q]
+    except IndexError:
+        raise cannot_decode(payload) from None
+    if len(payload) != q + 1:
+        raise cannot_decode(payload)
+    try:
+        exchange = payload[7:p].decode()
+        routing_key = payload[p + 1 : q].decode()
+    except UnicodeDecodeError:
+        raise malformed_utf8(payload) from None
     return exchange, routing_key, bool(bits & 1), bool(bits & 2)
 
 
 def decode_ack(payload: bytes) -> tuple[int, bool]:
     """basic.ack arguments: ``(delivery_tag, multiple)``."""
     if len(payload) != 13:
-        raise ValueError("basic.ack arguments have the wrong length")
+        raise cannot_decode(payload)
     tag, bits = _unpack_u64b(payload, 4)
     return tag, bool(bits & 1)
 
@@ -64,7 +111,7 @@ def decode_ack(payload: bytes) -> tuple[int, bool]:
 def decode_nack(payload: bytes) -> tuple[int, bool, bool]:
     """basic.nack arguments: ``(delivery_tag, multiple, requeue)``."""
     if len(payload) != 13:
-        raise ValueError("basic.nack arguments have the wrong length")
+        raise cannot_decode(payload)
     tag, bits = _unpack_u64b(payload, 4)
     return tag, bool(bits & 1), bool(bits & 2)
 
@@ -72,7 +119,7 @@ def decode_nack(payload: bytes) -> tuple[int, bool, bool]:
 def decode_reject(payload: bytes) -> tuple[int, bool]:
     """basic.reject arguments: ``(delivery_tag, requeue)``."""
     if len(payload) != 13:
-        raise ValueError("basic.reject arguments have the wrong length")
+        raise cannot_decode(payload)
     tag, bits = _unpack_u64b(payload, 4)
     return tag, bool(bits & 1)
 

@@ -21,7 +21,13 @@ hands them out as ``bytes``, which it cannot encode), decimals whose mantissa is
 float as a 32-bit ``f``).
 
 Malformed input raises :class:`TableError`, a ``ValueError`` like the other wire decoders'; the
-model turns it into the reply code of the frame it came in.
+model turns it into the reply code of the frame it came in. A table over one of our limits raises
+its subclass :class:`TableLimitError`: RabbitMQ would have decoded it, so the model can tell a
+table it refuses by choice from bytes that cannot be decoded at all.
+
+:func:`check_fields` walks a method's arguments the same way and returns where they end, so
+that arguments cut short or followed by stray bytes are found as RabbitMQ finds them (its
+decoder matches the whole argument binary, and refuses both).
 """
 
 from __future__ import annotations
@@ -44,6 +50,10 @@ MAX_TABLE_VALUES = 4096
 
 class TableError(ValueError):
     """A field table that is malformed, over a limit, or (``roundtrip``) not re-encodable."""
+
+
+class TableLimitError(TableError):
+    """A well-formed field table over ``MAX_TABLE_DEPTH`` or ``MAX_TABLE_VALUES``."""
 
 
 _U32 = struct.Struct(">I")
@@ -132,7 +142,7 @@ def check_table(buf: bytes, pos: int, limit: int, *, roundtrip: bool = False) ->
         p += 1
         values += 1
         if values > MAX_TABLE_VALUES:
-            raise TableError(f"field table holds more than {MAX_TABLE_VALUES} values")
+            raise TableLimitError(f"field table holds more than {MAX_TABLE_VALUES} values")
         size = sizes[t]
         if size is None:
             raise TableError(f"unknown field value type 0x{t:02x}")
@@ -169,15 +179,17 @@ def check_table(buf: bytes, pos: int, limit: int, *, roundtrip: bool = False) ->
             p = vend
             continue
         if len(stack) >= MAX_TABLE_DEPTH:
-            raise TableError(f"field tables nested deeper than {MAX_TABLE_DEPTH}")
+            raise TableLimitError(f"field tables nested deeper than {MAX_TABLE_DEPTH}")
         cend, is_table = vend, size == _TABLE
         stack.append((cend, is_table))
         p += 4
 
 
-def check_fields(types: Sequence[str], buf: bytes, p: int) -> None:
+def check_fields(types: Sequence[str], buf: bytes, p: int) -> int:
     """Walk a method's arguments (pamqp's type names, in order) from ``buf[p]`` and check every
-    field table among them; bits pack as pamqp unpacks them. Raises :class:`TableError`."""
+    field table among them; bits pack as pamqp unpacks them. Returns the offset just past the
+    last argument (the caller compares it with the payload's end). Raises :class:`TableError`
+    for arguments that run past the end of ``buf``."""
     n = len(buf)
     bits = 8  # bits used in the current bit octet; 8: none open
     for t in types:
@@ -213,3 +225,4 @@ def check_fields(types: Sequence[str], buf: bytes, p: int) -> None:
             raise TableError(f"unknown argument type {t}")
         if p > n:
             raise TableError("arguments truncated")
+    return p
