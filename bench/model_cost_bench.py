@@ -2,6 +2,7 @@
 
     python bench/model_cost_bench.py              # 1k, 10k and 100k existing entities
     python bench/model_cost_bench.py --sizes 1000,10000
+    python bench/model_cost_bench.py --only connections   # the connection and consumer cases
 
 Single process, the model only (``Broker.apply`` driven as ``tests/modelclient.Harness``
 does): every member applies every client's commands, so what one command costs here is what
@@ -12,6 +13,11 @@ one headers exchange and on exchange-to-exchange bindings), then each operation 
 exchange.delete at once), and reported as µs per operation. ``ratio`` is the cost at the
 largest size over the cost at the smallest: near 1 means the cost does not depend on what
 exists. Never run it next to another benchmark on a 2-core machine.
+
+The connection and consumer cases (``--only connections``) need no topology: a tick among n
+idle connections with heartbeats (installed through ``Connections.restore``, the snapshot
+path, so that building 100k of them takes a second, not a handshake each), and basic.cancel
+among n consumers of one queue.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ from pamqp import frame  # noqa: E402
 
 from cpgbroker.model.broker import Broker  # noqa: E402
 from cpgbroker.model.config import BrokerConfig  # noqa: E402
+from cpgbroker.model.entities import OPEN, Connection  # noqa: E402
 from cpgbroker.model.events import ClientData, Tick  # noqa: E402
+from cpgbroker.wire.framer import FrameReader  # noqa: E402
 from modelclient import Client, Harness  # noqa: E402
 
 CHUNK = 2000
@@ -293,25 +301,101 @@ def ops(h: Harness, c: Client, n: int, r: int) -> dict[str, float]:
     return out
 
 
+HEARTBEAT_S = 60
+
+
+def idle_connections(n: int) -> Harness:
+    """A broker with n open connections that negotiated heartbeats, silent since time 0."""
+    h = Harness(Broker(BrokerConfig(vhost_max_connections=None)))
+    conns = h.broker.conns
+    for i in range(1, n + 1):
+        conns.restore(
+            Connection(
+                id=i,
+                member=0,
+                peer=f"127.0.0.1:{i}",
+                loopback=True,
+                reader=FrameReader(131072),
+                state=OPEN,
+                user="guest",
+                vhost="/",
+                channel_max=2047,
+                frame_max=131072,
+                heartbeat=HEARTBEAT_S,
+            )
+        )
+    return h
+
+
+def connection_ops(n: int, r: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    # Ticks among n idle connections with heartbeats: none due (every tick but one in
+    # HEARTBEAT_S * 10 with the default 100 ms ticks), then the tick where all are due.
+    h = idle_connections(n)
+    gc.collect()
+    gc.disable()
+    t0 = time.perf_counter()
+    for k in range(r):
+        h.apply(Tick(100 + k * 100))
+    out["tick_heartbeat_conns_none_due"] = round((time.perf_counter() - t0) * 1e6 / r, 2)
+    t0 = time.perf_counter()
+    h.apply(Tick(HEARTBEAT_S * 500))  # half the interval: a heartbeat to every connection
+    out["tick_heartbeat_per_due_conn"] = round((time.perf_counter() - t0) * 1e6 / n, 2)
+    gc.enable()
+    sent = sum(1 for c in range(1, n + 1) if h.out.pop(c, None))
+    assert sent == n, sent
+    del h
+    gc.collect()
+    # basic.cancel of r consumers spread over the n consumers of one queue.
+    h = Harness()
+    c = h.connect(1)
+    c.handshake()
+    c.channel(1)
+    c.send(1, C.Queue.Declare(queue="cq", nowait=True))
+    send_all(
+        c,
+        [m(1, C.Basic.Consume(queue="cq", consumer_tag=f"c{i}", nowait=True)) for i in range(n)],
+    )
+    q = h.broker.topology.vhosts["/"].queues["cq"]
+    assert len(q.consumers) == n
+    step = n // r
+    run = [m(1, C.Basic.Cancel(consumer_tag=f"c{i * step}", nowait=True)) for i in range(r)]
+    out["basic_cancel_among_n_consumers"] = round(timed(c, run) / r, 2)
+    assert len(q.consumers) == n - r
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1000,10000,100000")
     # At most an eighth of the smallest size: operations use distinct existing entities.
     ap.add_argument("--ops", type=int, default=100)
+    ap.add_argument(
+        "--only",
+        choices=("all", "topology", "connections"),
+        default="all",
+        help="topology: exchanges, queues, bindings, publishes, ticks over queues; "
+        "connections: ticks over idle heartbeat connections, basic.cancel among consumers",
+    )
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.ops * 8 > min(sizes):
         ap.error("--ops must be at most an eighth of the smallest size")
     results: dict[str, dict[str, float]] = {}
     for n in sizes:
-        t0 = time.perf_counter()
-        h, c = build(n)
-        build_s = time.perf_counter() - t0
-        results[str(n)] = ops(h, c, n, args.ops)
-        results[str(n)]["build_s"] = round(build_s, 1)
-        print(f"size {n}: built in {build_s:.1f}s", file=sys.stderr)
-        del h, c
-        gc.collect()
+        results[str(n)] = {}
+        if args.only in ("all", "topology"):
+            t0 = time.perf_counter()
+            h, c = build(n)
+            build_s = time.perf_counter() - t0
+            results[str(n)].update(ops(h, c, n, args.ops))
+            results[str(n)]["build_s"] = round(build_s, 1)
+            print(f"size {n}: built in {build_s:.1f}s", file=sys.stderr)
+            del h, c
+            gc.collect()
+        if args.only in ("all", "connections"):
+            results[str(n)].update(connection_ops(n, args.ops))
+            gc.collect()
     lo, hi = str(sizes[0]), str(sizes[-1])
     ratio = {
         k: round(results[hi][k] / results[lo][k], 2) if results[lo][k] else None

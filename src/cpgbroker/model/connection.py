@@ -7,7 +7,8 @@ creates the dict, so the components that only read it can be given it first). It
 
 * the handshake state machine (``Connection.state``: protocol header, start-ok, tune-ok,
   open, then OPEN; CLOSING after we sent connection.close; CLOSED), with the handshake and
-  close timeouts that ticks check, and heartbeats;
+  close timeouts and the heartbeats that ticks act on, through :class:`Deadlines` (derived
+  state: a tick costs the connections that are due, not every connection);
 * cutting a client's bytes into frames (the connection's :class:`FrameReader`) and routing
   each frame: ``basic.publish`` and ``basic.ack`` on an open channel straight to their fast
   handlers (delivery, consumers), content frames to delivery, channel 0 to the connection
@@ -24,6 +25,7 @@ It never routes or delivers a message itself.
 
 from __future__ import annotations
 
+import heapq
 from typing import Any
 
 from pamqp import commands, decode
@@ -120,6 +122,103 @@ def mark_closing(conn: Connection) -> None:
         ch.closing = True
 
 
+def next_due(conn: Connection) -> int | None:
+    """The cluster time from which a tick has something to do for ``conn`` (drop it after a
+    timeout or a heartbeat missed, or send it a heartbeat), from its state and its last
+    receive and send; None if no tick ever will until one of those changes. Each condition
+    of :meth:`Connections.on_tick` is ``now >= threshold``, so this is the smallest threshold
+    that applies."""
+    state = conn.state
+    due = None
+    if state != OPEN:
+        due = conn.close_deadline
+        if state == CLOSING:
+            return due
+    hb = conn.heartbeat * 1000
+    if hb <= 0:
+        return due
+    # Silent for more than two intervals (spec 4.2.7), or half an interval since we sent.
+    t = min(conn.last_rx_ms + 2 * hb + 1, conn.last_tx_ms + hb // 2)
+    return t if due is None or t < due else due
+
+
+class Deadlines:
+    """Which connections a tick must visit: derived state of :class:`Connections`, never
+    replicated (snapshots leave it out, a restore rebuilds it through ``Connections.restore``).
+
+    ``order`` numbers each connection in the order it joined ``connections`` (increasing, so
+    sorting by it is the dict's order, the order in which the full sweep of every connection
+    acted; a reconnect under the same id gets a new number, as it goes to the dict's end).
+    ``heap`` holds ``(due, order, connection id)`` entries validated lazily when popped:
+    ``due`` maps a connection to the one live entry it has. The rule that keeps this exact:
+    a live entry is never later than the connection's :func:`next_due`. Receiving and sending
+    only ever move a connection's thresholds later, so they need not touch the heap (the entry
+    pops early, and is pushed again at the real time); the few changes that can make one
+    earlier (a new connection, tune-ok setting heartbeats, a connection error setting the close
+    timeout) call :meth:`schedule`."""
+
+    __slots__ = ("due", "heap", "next_order", "order")
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[int, int, int]] = []
+        self.order: dict[int, int] = {}
+        self.due: dict[int, int] = {}
+        self.next_order = 0
+
+    def add(self, conn: Connection) -> None:
+        self.order[conn.id] = self.next_order
+        self.next_order += 1
+        self.schedule(conn)
+
+    def remove(self, conn_id: int) -> None:
+        del self.order[conn_id]
+        self.due.pop(conn_id, None)
+        # Entries of gone connections stay until they pop: compact when they dominate.
+        if len(self.heap) > 2 * len(self.order) + 64:
+            self.compact()
+
+    def schedule(self, conn: Connection) -> None:
+        """``conn``'s deadline may have become earlier: give it an entry no later than it."""
+        t = next_due(conn)
+        if t is None:
+            return
+        cid = conn.id
+        live = self.due.get(cid)
+        if live is None or t < live:
+            self.due[cid] = t
+            heapq.heappush(self.heap, (t, self.order[cid], cid))
+
+    def pop_due(self, now_ms: int, connections: dict[int, Connection]) -> list[Connection]:
+        """The connections with something to do at ``now_ms``, in ``connections`` order; each
+        loses its entry (the caller schedules it again after acting). Entries that popped
+        early are pushed again at the connection's real time."""
+        heap, due, order = self.heap, self.due, self.order
+        found: list[tuple[int, Connection]] = []
+        while heap and heap[0][0] <= now_ms:
+            t, o, cid = heapq.heappop(heap)
+            if due.get(cid) != t or order.get(cid) != o:
+                continue  # stale: superseded by an earlier entry, or its connection gone
+            del due[cid]
+            conn = connections[cid]
+            real = next_due(conn)
+            if real is None:
+                continue
+            if real > now_ms:
+                due[cid] = real
+                heapq.heappush(heap, (real, o, cid))
+                continue
+            found.append((o, conn))
+        if len(found) > 1:
+            found.sort()  # order numbers are unique: connections are never compared
+        return [conn for _o, conn in found]
+
+    def compact(self) -> None:
+        """Drop the stale entries (a heap grown with connections that went)."""
+        order = self.order
+        self.heap = [(t, order[cid], cid) for cid, t in self.due.items()]
+        heapq.heapify(self.heap)
+
+
 class Connections:
     __slots__ = (
         "_basic_ack",
@@ -138,6 +237,7 @@ class Connections:
         "_topology",
         "_users",
         "connections",
+        "deadlines",
     )
 
     def __init__(
@@ -171,6 +271,8 @@ class Connections:
         self._channel_method = channels.channel_method
         self._channel_error = channels.channel_error
         self._flush_confirms = confirms.flush
+        # Derived (see Deadlines); filled as connections open or are restored.
+        self.deadlines = Deadlines()
 
     # ------------------------------------------------------------------ opening
 
@@ -189,13 +291,16 @@ class Connections:
             close_deadline=now + HANDSHAKE_TIMEOUT_MS,
         )
         self.connections[ev.conn] = conn
+        self.deadlines.add(conn)
 
     def restore(self, conn: Connection) -> None:
-        """Install a connection restored from a snapshot (``snapshot.Restorer``)."""
+        """Install a connection restored from a snapshot (``snapshot.Restorer``, in the
+        snapshot's connection order: the deadlines are rebuilt as they go)."""
         if conn.id in self.connections:
             raise InvariantError(f"connection {conn.id} restored twice")
         self.connections[conn.id] = conn
         self._topology.limits.restore_connection(conn)
+        self.deadlines.add(conn)
 
     # ------------------------------------------------------------------ bytes and frames
 
@@ -440,6 +545,7 @@ class Connections:
         conn.reader.frame_max = frame_max
         conn.heartbeat = m.heartbeat
         conn.state = AWAIT_OPEN
+        self.deadlines.schedule(conn)  # heartbeats may now be due before the handshake timeout
 
     def _open(self, conn: Connection, m: Any) -> None:
         vhost = m.virtual_host or "/"
@@ -481,6 +587,7 @@ class Connections:
         self._release(conn)
         conn.state = CLOSING
         conn.close_deadline = self._clock.now_ms + CLOSE_TIMEOUT_MS
+        self.deadlines.schedule(conn)
 
     def close(self, conn_id: int, code: int, text: str) -> None:
         """Close a client (shutdown, quorum loss, a failed event): connection.close if it is
@@ -513,6 +620,7 @@ class Connections:
             self._release(conn)
             conn.state = CLOSED
         del self.connections[conn.id]
+        self.deadlines.remove(conn.id)
         self._topology.limits.connection_gone(conn)
         if notify:
             self._out.close_socket(conn, reason)
@@ -536,30 +644,43 @@ class Connections:
     # ------------------------------------------------------------------ time
 
     def on_tick(self) -> None:
-        """Handshake and close timeouts, and heartbeats both ways."""
+        """Handshake and close timeouts, and heartbeats both ways: for the connections that
+        are due (``Deadlines``), in ``connections`` order, as a sweep of every connection
+        would act (what one does cannot make another due in the same tick: it can only send
+        to it, or give it a close timeout in the future)."""
         now_ms = self._clock.now_ms
-        for conn in list(self.connections.values()):
-            if conn.state != OPEN:
-                if conn.close_deadline is not None and now_ms >= conn.close_deadline:
-                    self.drop(
-                        conn,
-                        "no close-ok from client" if conn.state == CLOSING else "handshake timeout",
-                        notify=True,
-                    )
-                    continue
-                if conn.state == CLOSING:
-                    continue
-            hb = conn.heartbeat * 1000
-            if hb <= 0:
-                continue
-            if now_ms - conn.last_rx_ms > 2 * hb:
-                # Spec 4.2.7: a peer silent for two heartbeat intervals is gone.
+        deadlines = self.deadlines
+        connections = self.connections
+        for conn in deadlines.pop_due(now_ms, connections):
+            if connections.get(conn.id) is not conn:
+                continue  # gone since (nothing drops another connection today)
+            self._tick(conn, now_ms)
+            if conn.state != CLOSED:
+                deadlines.schedule(conn)
+
+    def _tick(self, conn: Connection, now_ms: int) -> None:
+        """What a tick does for one connection (what the sweep did for every one)."""
+        if conn.state != OPEN:
+            if conn.close_deadline is not None and now_ms >= conn.close_deadline:
                 self.drop(
-                    conn, f"missed heartbeats from client, timeout: {conn.heartbeat}s", notify=True
+                    conn,
+                    "no close-ok from client" if conn.state == CLOSING else "handshake timeout",
+                    notify=True,
                 )
-                continue
-            if now_ms - conn.last_tx_ms >= hb // 2:
-                self._out.emit(conn, HEARTBEAT_FRAME)
+                return
+            if conn.state == CLOSING:
+                return
+        hb = conn.heartbeat * 1000
+        if hb <= 0:
+            return
+        if now_ms - conn.last_rx_ms > 2 * hb:
+            # Spec 4.2.7: a peer silent for two heartbeat intervals is gone.
+            self.drop(
+                conn, f"missed heartbeats from client, timeout: {conn.heartbeat}s", notify=True
+            )
+            return
+        if now_ms - conn.last_tx_ms >= hb // 2:
+            self._out.emit(conn, HEARTBEAT_FRAME)
 
 
 def _unexpected(state: int, index: int) -> ConnectionError_:

@@ -14,10 +14,18 @@ dispatched again (delivery owns dispatch), so freed prefetch is used in the same
 
 In a transaction, acks and nacks are checked at once but held as records on the channel
 until tx.commit settles them (``transactions.py``).
+
+A queue's consumers are a list in registration order (``Queue.consumers``: the round-robin
+order, ``Queue.rr`` an index into it, and what snapshots carry). Removing one must not cost
+a scan of them all (one client can put 100,000 consumers on a queue and cancel them one by
+one): each carries a number increasing along the list (``Consumer.qseq``, derived), so it is
+found by bisection (:func:`consumer_position`) and taken out of the list in place.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from operator import attrgetter
 from typing import Any
 
 from pamqp import commands
@@ -43,6 +51,39 @@ from cpgbroker.model.topology import Topology, generated_name
 from cpgbroker.wire import fastpath as fp
 
 R = ReplyCode
+
+_QSEQ = attrgetter("qseq")
+
+
+def consumer_position(consumers: list[Consumer], c: Consumer) -> int:
+    """Where ``c`` is in ``consumers`` (a queue's), or -1 if it is not there: a bisection on
+    the numbers that increase along the list (``Consumer.qseq``)."""
+    i = bisect_left(consumers, c.qseq, key=_QSEQ)
+    if i < len(consumers) and consumers[i] is c:
+        return i
+    # The numbers failed: a list restored from a snapshot (restored consumers are all 0), or
+    # ``c`` is not on it. Number the list once; from then on the numbers find any consumer.
+    for j, x in enumerate(consumers):
+        x.qseq = j
+    i = c.qseq
+    return i if 0 <= i < len(consumers) and consumers[i] is c else -1
+
+
+def _unlink(q: Queue, c: Consumer) -> bool:
+    """Take ``c`` off ``q``'s consumers if it is there; ``rr`` keeps naming the consumer it
+    named, or the next one (cyclically) if that was ``c``."""
+    consumers = q.consumers
+    idx = consumer_position(consumers, c)
+    if idx < 0:
+        return False
+    del consumers[idx]  # a memmove of the pointers after it: no Python-level work per consumer
+    if c.priority:
+        q.ranked_consumers -= 1
+    if idx < q.rr:
+        q.rr -= 1
+    if q.rr >= len(consumers):
+        q.rr = 0
+    return True
 
 
 class Consumers:
@@ -82,8 +123,11 @@ class Consumers:
         if tag in ch.consumers:
             raise ConnectionError_(R.NOT_ALLOWED, f"attempt to reuse consumer tag '{tag}'")
         # RabbitMQ refuses an exclusive consumer on a single-active-consumer queue outright.
-        if (q.consumers or q.single_active) and (
-            m.exclusive or any(c.exclusive for c in q.consumers)
+        # An exclusive consumer is always alone on its queue (these rules), so the first one
+        # says whether there is one.
+        consumers = q.consumers
+        if (consumers or q.single_active) and (
+            m.exclusive or (consumers and consumers[0].exclusive)
         ):
             raise ChannelError(
                 R.ACCESS_REFUSED,
@@ -99,7 +143,9 @@ class Consumers:
             )
         c = Consumer(tag, q, ch, m.no_ack, m.exclusive, ch.prefetch_count, args)
         ch.consumers[tag] = c
-        q.consumers.append(c)
+        if consumers:
+            c.qseq = consumers[-1].qseq + 1
+        consumers.append(c)
         if c.priority:
             q.ranked_consumers += 1
         q.had_consumers = True
@@ -122,15 +168,7 @@ class Consumers:
         q = c.queue
         handover = False
         detach_unacked(c)
-        if c in q.consumers:
-            idx = q.consumers.index(c)
-            q.consumers.remove(c)
-            if c.priority:
-                q.ranked_consumers -= 1
-            if idx < q.rr:
-                q.rr -= 1
-            if q.rr >= len(q.consumers):
-                q.rr = 0
+        if _unlink(q, c):
             handover = bool(q.consumers) and bool(q.messages)
         q.last_used_ms = self._clock.now_ms
         if q.auto_delete and q.had_consumers and not q.consumers and not q.deleted:
@@ -140,20 +178,25 @@ class Consumers:
     def remove_consumers(self, cs: list[Consumer]) -> list[Queue]:
         """Remove the consumers of one channel (it closes) at once; returns the queues to
         dispatch, as :meth:`remove_consumer` called for each in turn would have said (True
-        gives the queue). Cost: the channel's unacked deliveries once and each queue's
-        consumer list once, not once per consumer (a channel with many consumers on one
-        queue made closing it quadratic)."""
+        gives the queue). Cost: the channel's unacked deliveries once, and per queue the
+        smaller of its consumer list once and a bisection per consumer of ``cs`` on it, not a
+        scan per consumer (a channel with many consumers on one queue made closing it
+        quadratic; one consumer on a queue with many must not cost them all)."""
         if not cs:
             return []
         ch = cs[0].channel
-        gone = {id(c): c for c in cs}
         if any(c.unacked for c in cs):
+            gone = {id(c): c for c in cs}
             unacked = ch.unacked
             for tag, (dq, e, dc) in unacked.items():
                 if dc is not None and id(dc) in gone:
                     unacked[tag] = (dq, e, None)
             for c in cs:
                 c.unacked = 0
+        # The consumers of ``cs`` on each queue.
+        mine: dict[int, list[Consumer]] = {}
+        for c in cs:
+            mine.setdefault(id(c.queue), []).append(c)
         now = self._clock.now_ms
         handover: list[Queue] = []
         # Per queue: its consumers before, the ids of those of ``cs`` that were on it, and
@@ -165,7 +208,7 @@ class Consumers:
             qk = id(q)
             st = state.get(qk)
             if st is None:
-                st = state[qk] = (len(q.consumers), self._drop_from_queue(q, gone))
+                st = state[qk] = (len(q.consumers), self._drop_from_queue(q, mine[qk]))
                 removed[qk] = 0
             before, present = st
             if id(c) in present:
@@ -181,10 +224,14 @@ class Consumers:
         return handover
 
     @staticmethod
-    def _drop_from_queue(q: Queue, gone: dict[int, Consumer]) -> dict[int, None]:
-        """Take ``gone`` off ``q``'s consumers (returns the ids of those that were on it);
+    def _drop_from_queue(q: Queue, mine: list[Consumer]) -> dict[int, None]:
+        """Take ``mine`` off ``q``'s consumers (returns the ids of those that were on it);
         ``rr`` keeps naming the consumer it named, or the next one left after it
         (cyclically): what removing them one by one gives."""
+        if len(mine) * 8 < len(q.consumers):
+            # A few among many: one by one, each found by bisection.
+            return {id(c): None for c in mine if _unlink(q, c)}
+        gone = {id(c): c for c in mine}
         rr = q.rr
         kept: list[Consumer] = []
         present: dict[int, None] = {}

@@ -210,6 +210,7 @@ class Consumer:
         "no_ack",
         "prefetch",
         "priority",
+        "qseq",
         "queue",
         "tag",
         "tag_b",
@@ -239,6 +240,10 @@ class Consumer:
         # x-priority (validated at consume): higher goes first; derived from ``args`` so that
         # snapshots need not carry it.
         self.priority = int(args.get("x-priority", 0))
+        # Derived, not replicated: a number increasing along ``queue.consumers`` (a consumer
+        # is found there by bisection, not a scan; ``consumers.py`` numbers a restored list
+        # the first time the number fails to find one).
+        self.qseq = 0
 
 
 def detach_unacked(c: Consumer) -> None:
