@@ -5,6 +5,8 @@
     python bench/broker_bench.py --cluster            # 3-member cluster (root: namespaces)
     python bench/broker_bench.py --cluster --rabbitmq # + RabbitMQ 3-node quorum queues
     python bench/broker_bench.py --cluster --realtime --only q_rate1000_1K_confirm --repeat 5
+    python bench/broker_bench.py --cluster --store --rabbitmq   # durable: stores on, persistent
+                                                                 # messages on a durable queue
 
 Load comes from the shared ``amqp_load.py`` (its raw client costs ~20 us per message, so the
 broker is what is measured); RabbitMQ nodes from the shared ``rabbitmq_baseline.sh`` (private
@@ -169,12 +171,41 @@ def profile_members(pids: list[int], seconds: float) -> list[subprocess.Popen[by
     return procs
 
 
+def store_counters(brokers: Any) -> dict[int, dict[str, Any]]:
+    out = {}
+    for n in (1, 2, 3):
+        s = brokers.status(n) or {}
+        out[n] = s.get("store") or {}
+    return out
+
+
+def store_rates(
+    before: dict[int, dict[str, Any]], after: dict[int, dict[str, Any]], r: dict[str, Any]
+) -> dict[str, Any]:
+    """What the stores did during one run: fsyncs per second per member, and bytes written
+    per message body byte (per member: every member writes every message)."""
+    secs = r.get("consume_elapsed_s") or 0
+    msgs = r.get("sent") or 0
+    size = r.get("size") or 0
+    fsyncs = [after[n].get("fsyncs", 0) - before[n].get("fsyncs", 0) for n in (1, 2, 3)]
+    written = [
+        after[n].get("bytes_written", 0) - before[n].get("bytes_written", 0) for n in (1, 2, 3)
+    ]
+    return {
+        "fsyncs_per_s_per_member": [round(f / secs) if secs else None for f in fsyncs],
+        "bytes_written_per_body_byte": [
+            round(w / (msgs * size), 2) if msgs and size else None for w in written
+        ],
+    }
+
+
 def run_ours_cluster(
     shared: Path,
     secs: float,
     realtime: bool = False,
     names: list[str] | None = None,
     repeat: int = 1,
+    store: bool = False,
 ) -> dict[str, Any]:
     from cpgbroker.dev.brokers import BrokerSet
     from cpgbroker.dev.cluster import DevCluster
@@ -182,18 +213,32 @@ def run_ours_cluster(
     dc = DevCluster(3, prefix=f"bench-{os.getpid() % 100000}", token_ms=3000, realtime=realtime)
     out: dict[str, Any] = {}
     with dc:  # up on enter, down on exit
-        brokers = BrokerSet(dc, event_log=False)
+        brokers = BrokerSet(dc, event_log=False, store=store)
         brokers.start_all()
         urls = [brokers.url(n) for n in (1, 2, 3)]
         pids = [p.pid for p in brokers.procs.values()]
         try:
             for name in names or list(CLUSTER):
                 args = CLUSTER[name]
+                if store:
+                    # Persistent messages on a durable queue: what the stores must keep (a
+                    # RabbitMQ quorum queue writes every message to its log).
+                    args = [*args, "--persistent"]
+                before = store_counters(brokers) if store else {}
                 profilers = []
                 if name == "q_1p1c_1K_confirm" and _pyspy():
                     profilers = profile_members(pids, secs - 2)
-                runs = [summary(load(shared, urls, pids, args, secs)) for _ in range(repeat)]
+                raw = [load(shared, urls, pids, args, secs) for _ in range(repeat)]
+                runs = [summary(r) for r in raw]
                 out[name] = median_run(runs)
+                if store:
+                    # Over every repeat: the counters are cumulative.
+                    total = {
+                        "consume_elapsed_s": sum(r.get("consume_elapsed_s") or 0 for r in raw),
+                        "sent": sum(r.get("sent") or 0 for r in raw),
+                        "size": raw[-1].get("size"),
+                    }
+                    out[name]["store"] = store_rates(before, store_counters(brokers), total)
                 for p in profilers:
                     p.wait(60)
                 if profilers:
@@ -257,6 +302,12 @@ def main() -> int:
     )
     ap.add_argument("--shared", type=Path, default=ROOT.parent / "shared")
     ap.add_argument(
+        "--store",
+        action="store_true",
+        help="with --cluster: every member has a durable store (fsync always) and the load "
+        "publishes persistent messages to a durable queue",
+    )
+    ap.add_argument(
         "--only",
         help=f"with --cluster: these configurations only (comma-separated: {', '.join(CLUSTER)})",
     )
@@ -275,7 +326,7 @@ def main() -> int:
         if unknown:
             ap.error(f"unknown configuration(s): {', '.join(unknown)}")
         ours = run_ours_cluster(
-            args.shared, args.seconds, args.realtime, names, max(1, args.repeat)
+            args.shared, args.seconds, args.realtime, names, max(1, args.repeat), args.store
         )
     else:
         ours = run_ours_standalone(args.shared, args.seconds)
@@ -283,6 +334,7 @@ def main() -> int:
     result: dict[str, Any] = {
         "mode": "cluster" if args.cluster else "standalone",
         "corosync_realtime": args.realtime,
+        "store": args.store,
         "cpgbroker": ours,
     }
     if args.rabbitmq:

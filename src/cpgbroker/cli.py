@@ -22,6 +22,13 @@ def main(argv: list[str] | None = None) -> int:
     start = sub.add_parser("start", help="run a broker (standalone, or a cluster member)")
     start.add_argument("--config", help="TOML configuration file")
     start.add_argument("--listen", help="HOST:PORT to serve AMQP on (overrides the config)")
+    start.add_argument(
+        "--force-boot",
+        action="store_true",
+        help="cluster member with a store: serve from this member's store without waiting for "
+        "the other members after a whole-cluster stop (their stores are then replaced, even if "
+        "newer); see docs/operations.md",
+    )
     sub.add_parser("devcluster", help="local corosync cluster in network namespaces")
     sub.add_parser("audit", help="audit a cluster run's logs and client histories (PySpark)")
     status = sub.add_parser("status", help="show a running broker's status")
@@ -62,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "start":
         from cpgbroker.runtime import main as runtime_main
 
-        return runtime_main.main(config_path=ns.config, listen=ns.listen)
+        return runtime_main.main(
+            config_path=ns.config, listen=ns.listen, force_boot=ns.force_boot
+        )
     if ns.command == "status":
         return _status(ns.url, ns.json)
     if ns.command in ("cluster", "member"):

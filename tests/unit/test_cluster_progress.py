@@ -67,3 +67,21 @@ def test_report_pacing(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not p.want_report(2.0, answer_expected=True)
     assert p.report_wait(2.0) == pytest.approx(0.05)
     assert p.report_wait(2.06) < 0, "no answer came: it leaves alone"
+
+
+def test_durable_reports_give_the_durable_stable_sequence_and_count_in_the_lag() -> None:
+    p = PeerProgress(ME, max_lag=100)
+    p.on_report(A, 500, 420)
+    p.on_report(B, 480, 480)
+    ready = [ME, A, B]
+    assert p.stable(510, ready) == 480
+    assert p.durable_stable(505, ready) == 420
+    # A store that falls behind holds back client traffic like a member that does.
+    assert p.lag(510, ready) == 90
+    # A store being replaced (durable 0) vouches for nothing, but is not a slow disk.
+    p.on_report(A, 505, 0)
+    assert p.durable_stable(505, ready) == 0
+    assert p.lag(510, ready) == 30
+    # A member without a store vouches for what it applied.
+    p.on_report(A, 507)
+    assert p.durable_stable(510, ready) == 480

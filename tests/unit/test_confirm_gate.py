@@ -30,7 +30,7 @@ async def test_confirm_waits_for_every_member_and_keeps_the_connection_order() -
         assert a.broker.vhosts["/"].queues["q"].messages, "applied on this member"
         assert acks(client) == []
         assert not any(isinstance(m, commands.Channel.OpenOk) for m in client.methods()[-1:])
-        assert [s for s, _d, _r in client.lc.held] == [seq + 1, 0]
+        assert [s for s, _d, _r, _p in client.lc.held] == [seq + 1, 0]
         # One member of the two others applies it: a majority, not yet every member. (A
         # majority survives a partition, not the crash of the two members that have it.)
         cpgs[1].resume()

@@ -197,5 +197,14 @@ def test_components_share_one_view_of_the_state() -> None:
 
 def test_restoring_counters_goes_through_the_public_surface() -> None:
     b = Broker()
-    b.restore_counters(now_ms=7, event_seq=3, msg_seq=9, queued_bytes=11, blocked=True)
+    b.restore_counters(
+        now_ms=7,
+        event_seq=3,
+        msg_seq=9,
+        queued_bytes=11,
+        blocked=True,
+        memory_blocked=False,
+        disk_alarms=[5],
+    )
     assert (b.now_ms, b.event_seq, b.msg_seq, b.queued_bytes, b.blocked) == (7, 3, 9, 11, True)
+    assert not b.mark.memory_blocked and list(b.mark.disk_alarms) == [5]

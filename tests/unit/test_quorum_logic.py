@@ -91,7 +91,7 @@ def test_only_ring_changes_are_held_and_only_a_quorate_verdict_serves() -> None:
 def test_hello_carries_the_kept_state_on_the_wire() -> None:
     m = 3 << 22 | 99
     h = Hello(
-        m, STATUS_NEW, 1, DIGEST, "amqp://x/", "cpgbroker", 5, recover_ring=17, recover_seq=420
+        m, STATUS_NEW, 1, DIGEST, "amqp://x/", "cpgbroker", 5, recover_epoch=17, recover_seq=420
     )
     assert codec.decode_batch(codec.HEADER + codec.encode(h), m) == [h]
 

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from cpgbroker.errors import ClusterError
-from cpgbroker.model.events import ClientData, Send
+from cpgbroker.model.events import CONFIRM, CONFIRM_DURABLE, ClientData, Send
 from cpgbroker.runtime.confirms import ConfirmGate
 from cpgbroker.runtime.eventlog import EventLog
 from cpgbroker.runtime.server import LocalConn, Node
@@ -56,7 +56,7 @@ def test_the_gate_releases_in_order_up_to_the_stable_event(conn: LocalConn) -> N
     gate.hold(conn, Send(conn.id, b"plain", False))  # behind the confirm, whatever it is
     gate.hold(conn, Send(conn.id, b"ack-11", True))
     gate.hold_close(conn, "closed")
-    assert [s for s, _d, _r in conn.held] == [10, 0, 11, 0]
+    assert [s for s, _d, _r, _p in conn.held] == [10, 0, 11, 0]
     gate.release(9, out)
     assert out.done == [] and gate.holding
     gate.release(10, out)
@@ -64,6 +64,23 @@ def test_the_gate_releases_in_order_up_to_the_stable_event(conn: LocalConn) -> N
     gate.release(11, out)
     assert out.done[2:] == [(7, b"ack-11"), (7, ("close", "closed"))]
     assert not gate.holding and conn.held == []
+
+
+def test_a_durable_confirm_waits_for_every_store_and_holds_what_follows(
+    conn: LocalConn,
+) -> None:
+    seq = [10]
+    gate = ConfirmGate(lambda: seq[0])
+    out = Out()
+    out.local[conn.id] = conn
+    gate.hold(conn, Send(conn.id, b"ack-10", CONFIRM_DURABLE))
+    seq[0] = 11
+    gate.hold(conn, Send(conn.id, b"ack-11", CONFIRM))
+    gate.release(11, out, durable=9)  # applied everywhere, not yet on every disk
+    assert out.done == []
+    gate.release(11, out, durable=10)
+    assert out.done == [(7, b"ack-10"), (7, b"ack-11")]
+    assert not gate.holding
 
 
 def test_the_gate_forgets_gone_clients_and_drops_everything_on_suspension(

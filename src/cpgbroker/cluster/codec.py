@@ -26,6 +26,7 @@ from cpgbroker.model.events import (
     ClientData,
     ClientDisconnected,
     CloseClient,
+    DiskAlarm,
     DoOutput,
     Tick,
 )
@@ -33,7 +34,8 @@ from cpgbroker.model.events import (
 MAGIC = 0xCB
 # 2: Hello carries the state a member kept when its partition lost quorum.
 # 3: error-check rounds and stop requests.
-FORMAT = 3
+# 4: progress reports carry the durable sequence; disk alarms.
+FORMAT = 4
 
 T_DATA = 1
 T_CONNECTED = 2
@@ -41,6 +43,7 @@ T_DISCONNECTED = 3
 T_DO_OUTPUT = 4
 T_CLOSE_CLIENT = 5
 T_TICK = 6
+T_DISK_ALARM = 7
 T_HELLO = 10
 T_CHECKPOINT = 11
 T_PROGRESS = 12
@@ -70,10 +73,12 @@ class Hello:
     # The sender's clock (ms) when it said hello: members becoming ready start cluster time at
     # the latest of these, so the first client event never sees time jump from zero.
     now_ms: int = 0
-    # The state a member kept when its partition lost quorum (0, 0: none): the seq of the last
-    # ring whose quorum verdict let its stream through, and its event seq then. When the whole
-    # cluster lost quorum, nobody serves on rejoining; the newest such state is resumed.
-    recover_ring: int = 0
+    # The state a member kept (0, 0: none): kept in memory when its partition lost quorum, or
+    # recovered from its store after the whole cluster stopped. Nobody serves then, so the
+    # freshest such state is resumed: the latest history epoch (a forced boot starts a new one,
+    # which must win over stores it did not see), then the most events (one cluster history
+    # numbers its events alike on every member: nothing is applied in an inquorate ring).
+    recover_epoch: int = 0
     recover_seq: int = 0
 
 
@@ -88,10 +93,12 @@ class Checkpoint:
 
 @attrs.frozen
 class Progress:
-    """``member`` has applied events up to ``seq``: lets the others see how far behind it is."""
+    """``member`` has applied events up to ``seq``: lets the others see how far behind it is;
+    and its store holds events up to ``durable`` (a member without a store says ``seq``)."""
 
     member: int
     seq: int
+    durable: int = 0
 
 
 @attrs.frozen
@@ -132,6 +139,7 @@ class StopRequest:
 ClusterControl = Hello | Checkpoint | Progress | UpdateRequest | ErrorCheck | StopRequest
 
 _CONN = struct.Struct(">QI")
+_PROGRESS = struct.Struct(">QQQ")
 _DATA = struct.Struct(">BQII")
 _U8 = struct.Struct(">B")
 _U16 = struct.Struct(">H")
@@ -183,6 +191,8 @@ def encode(ev: Any) -> bytes:
         )
     if t is Tick:
         return _U8.pack(T_TICK) + _U64.pack(ev.now_ms)
+    if t is DiskAlarm:
+        return _U8.pack(T_DISK_ALARM) + _U64.pack(ev.member) + _U8.pack(ev.low)
     if t is Hello:
         return (
             _U8.pack(T_HELLO)
@@ -194,7 +204,7 @@ def encode(ev: Any) -> bytes:
             + _str(ev.url)
             + _str(ev.software)
             + _U64.pack(ev.now_ms)
-            + _U64.pack(ev.recover_ring)
+            + _U64.pack(ev.recover_epoch)
             + _U64.pack(ev.recover_seq)
         )
     if t is Checkpoint:
@@ -206,7 +216,7 @@ def encode(ev: Any) -> bytes:
             + bytes(ev.digest)
         )
     if t is Progress:
-        return _U8.pack(T_PROGRESS) + _U64.pack(ev.member) + _U64.pack(ev.seq)
+        return _U8.pack(T_PROGRESS) + _PROGRESS.pack(ev.member, ev.seq, ev.durable)
     if t is UpdateRequest:
         return (
             _U8.pack(T_UPDATE_REQUEST)
@@ -250,6 +260,13 @@ def decode_batch(data: bytes, sender: int) -> list[Any]:
                 out.append(Tick(_U64.unpack_from(data, p)[0]))
                 p += 8
                 continue
+            if t == T_DISK_ALARM:
+                member = _U64.unpack_from(data, p)[0]
+                if member != sender:
+                    raise ClusterError(f"member {sender} sent a disk alarm for member {member}")
+                out.append(DiskAlarm(member, bool(data[p + 8])))
+                p += 9
+                continue
             if t in (T_CONNECTED, T_DISCONNECTED, T_DO_OUTPUT, T_CLOSE_CLIENT):
                 member, counter = _CONN.unpack_from(data, p)
                 if member != sender:
@@ -281,7 +298,7 @@ def decode_batch(data: bytes, sender: int) -> list[Any]:
                 digest = bytes(data[p + 12 : p + 12 + dlen])
                 url, p = _read_str(data, p + 12 + dlen)
                 software, p = _read_str(data, p)
-                now_ms, recover_ring, recover_seq = struct.unpack_from(">QQQ", data, p)
+                now_ms, recover_epoch, recover_seq = struct.unpack_from(">QQQ", data, p)
                 p += 24
                 out.append(
                     Hello(
@@ -292,15 +309,15 @@ def decode_batch(data: bytes, sender: int) -> list[Any]:
                         url,
                         software,
                         now_ms,
-                        recover_ring,
+                        recover_epoch,
                         recover_seq,
                     )
                 )
                 continue
             if t == T_PROGRESS:
-                member, seq = struct.unpack_from(">QQ", data, p)
-                out.append(Progress(member, seq))
-                p += 16
+                member, seq, durable = _PROGRESS.unpack_from(data, p)
+                out.append(Progress(member, seq, durable))
+                p += _PROGRESS.size
                 continue
             if t == T_UPDATE_REQUEST:
                 member, updater = struct.unpack_from(">QQ", data, p)

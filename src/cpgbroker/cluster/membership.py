@@ -18,10 +18,11 @@ member makes the same decision at the same point.
   (:meth:`Membership.export`), which the newcomer adopts (:meth:`Membership.adopt`) before it
   replays the events delivered after that point; once caught up it says ``Hello(ready)``, and
   every member (the newcomer too) counts it as serving from where that hello is delivered.
-* After the whole cluster lost quorum nobody serves, so nobody moved on: members rejoin as new
-  members and say in their hello which state they kept (:class:`Hello` ``recover_*``). At the
-  start-up point the member holding the newest kept state (latest quorate ring, then most
-  events, then lowest id) resumes serving with it (``ResumeState``) and every other member
+* After the whole cluster lost quorum, or every member stopped, nobody serves, so nobody moved
+  on: members rejoin as new members and say in their hello which state they kept in memory or
+  recovered from their store (:class:`Hello` ``recover_*``). At the start-up point the member
+  holding the freshest state (latest history epoch, then most events, then lowest id) resumes
+  serving with it (``ResumeState``) and every other member
   takes a state update from it; without any kept state they start empty as at first start-up.
 * A member leaving (CPG confchg) becomes ``MemberLeft`` for the model, so every replica closes
   its clients' shadow connections at that point, followed by the new member list.
@@ -96,7 +97,7 @@ class MemberInfo:
     url: str = ""
     software: str = ""
     now_ms: int = 0
-    recover_ring: int = 0
+    recover_epoch: int = 0
     recover_seq: int = 0
 
 
@@ -213,7 +214,7 @@ class Membership:
         info.url = h.url
         info.software = h.software
         info.now_ms = h.now_ms
-        info.recover_ring = h.recover_ring
+        info.recover_epoch = h.recover_epoch
         info.recover_seq = h.recover_seq
         if self.state == READY:
             if h.status == STATUS_READY and info.status != STATUS_READY:
@@ -252,9 +253,10 @@ class Membership:
         if any(i.status != STATUS_NEW for i in self.members.values()):
             return []
         start = max(i.now_ms for i in self.members.values())
-        best = max(self.members.values(), key=lambda i: (i.recover_ring, i.recover_seq, -i.member))
-        if best.recover_ring:
-            # Every member lost quorum, so none moved on; resume the newest state kept.
+        best = max(self.members.values(), key=lambda i: (i.recover_epoch, i.recover_seq, -i.member))
+        if best.recover_epoch:
+            # Every member lost quorum or stopped, so none moved on; resume the freshest state
+            # kept in memory or recovered from a store.
             best.status = STATUS_READY
             if best.member == self.me:
                 self.state = READY
@@ -264,11 +266,18 @@ class Membership:
                     ApplyToModel(ClusterMembers(self.urls())),
                 ]
             self.state = NEEDS_UPDATE
+            mine = self.members[self.me]
+            own = (
+                f"its own kept state (epoch {mine.recover_epoch}, event {mine.recover_seq}) is "
+                "older and is replaced"
+                if mine.recover_epoch
+                else "it has no kept state"
+            )
             return [
                 NeedUpdate(
-                    f"member {best.member} resumes the newest state kept when the cluster lost "
-                    f"quorum (ring {best.recover_ring}, event {best.recover_seq}); this member "
-                    "takes a state update from it"
+                    f"member {best.member} resumes the freshest kept state (epoch "
+                    f"{best.recover_epoch}, event {best.recover_seq}); this member takes a state "
+                    f"update from it: {own}"
                 )
             ]
         for i in self.members.values():

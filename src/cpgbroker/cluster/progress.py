@@ -54,6 +54,8 @@ class PeerProgress:
         self.peer: dict[int, int] = {}
         # The same, but only what members reported themselves: stability counts facts only.
         self.applied: dict[int, int] = {}
+        # What each member reported its store holds (durable confirms wait for every one).
+        self.durable: dict[int, int] = {}
         # The model's count of other members' clients' confirms when we last asked to report.
         self.confirms_seen = 0
         # A report is due (confirms wait for it); when the last one left alone; until when a
@@ -63,9 +65,12 @@ class PeerProgress:
         self.ride_until = 0.0
 
     # -- what members applied
-    def on_report(self, member: int, seq: int) -> None:
+    def on_report(self, member: int, seq: int, durable: int | None = None) -> None:
+        """``member`` applied up to ``seq`` and its store holds up to ``durable`` (None: a
+        member without a store, whose applied events are all it vouches for)."""
         self.peer[member] = seq
         self.applied[member] = seq
+        self.durable[member] = seq if durable is None else durable
 
     def estimate(self, members: list[int], seq: int) -> None:
         """``members`` stand at ``seq`` (they became ready there, or this member installed the
@@ -81,11 +86,18 @@ class PeerProgress:
         for gone in left:
             self.peer.pop(gone, None)
             self.applied.pop(gone, None)
+            self.durable.pop(gone, None)
 
     def lag(self, seq: int, ready: list[int]) -> int:
-        """How many events the slowest ready member is behind ``seq`` (this member's)."""
-        peer, me = self.peer, self.me
-        return max((seq - peer.get(m, seq) for m in ready if m != me), default=0)
+        """How many events the slowest ready member is behind ``seq`` (this member's), in
+        applying them or in writing them to its store (what it last reported)."""
+        peer, durable, me = self.peer, self.durable, self.me
+        # A durable 0 is a store being replaced by a state update (it vouches for nothing
+        # until its snapshot is written): not a disk that falls behind.
+        return max(
+            (seq - min(peer.get(m, seq), durable.get(m) or seq) for m in ready if m != me),
+            default=0,
+        )
 
     def stable(self, own: int, ready: list[int]) -> int:
         """The highest event every ready member (this one, at ``own``, included) is known to
@@ -96,6 +108,14 @@ class PeerProgress:
             return 0
         applied, me = self.applied, self.me
         return min(own if m == me else applied.get(m, 0) for m in ready)
+
+    def durable_stable(self, own: int, ready: list[int]) -> int:
+        """The highest event every ready member's store (this one's at ``own``) is known to
+        hold: confirms of persistent messages on durable queues up to it may go out."""
+        if not ready:
+            return 0
+        durable, me = self.durable, self.me
+        return min(own if m == me else durable.get(m, 0) for m in ready)
 
     # -- pacing of our own reports
     def want_report(self, now: float, answer_expected: bool) -> bool:

@@ -55,8 +55,16 @@ class BrokerSet:
         event_log: bool = True,
         name: str = PROCESS,
         checkpoint_every: int | None = None,
+        store: bool = False,
+        fsync: str = "always",
+        store_options: str = "",
     ) -> None:
         self.dc = dc
+        # Give each member a durable store (``store_path``), with this fsync policy.
+        self.store = store
+        self.fsync = fsync
+        # More ``[store]`` lines (TOML), e.g. ``free_disk_limit_mib = 0``.
+        self.store_options = store_options
         # Names this set's processes and files in each node directory, so that several sets
         # (several clusters of brokers) can share one corosync cluster.
         self.name = name
@@ -86,6 +94,8 @@ class BrokerSet:
                     "name": self.name,
                     "ports": {str(n): list(p) for n, p in self.ports.items()},
                     "checkpoint_every": self.checkpoint_every,
+                    "store": self.store,
+                    "fsync": self.fsync,
                 }
             )
         )
@@ -103,6 +113,8 @@ class BrokerSet:
             ports=ports,
             name=data["name"],
             checkpoint_every=data.get("checkpoint_every"),
+            store=bool(data.get("store", False)),
+            fsync=str(data.get("fsync", "always")),
         )
 
     def pid(self, nodeid: int) -> int | None:
@@ -123,6 +135,9 @@ class BrokerSet:
 
     def event_log_path(self, nodeid: int) -> Path:
         return Path(self.dc.node(nodeid).dir) / f"{self.name}.events.jsonl"
+
+    def store_path(self, nodeid: int) -> Path:
+        return Path(self.dc.node(nodeid).dir) / f"{self.name}.store"
 
     def config_path(self, nodeid: int) -> Path:
         return Path(self.dc.node(nodeid).dir) / f"{self.name}.toml"
@@ -147,16 +162,26 @@ class BrokerSet:
             lines.append(f'event_log = "{self.event_log_path(nodeid)}"')
         if self.checkpoint_every is not None:
             lines.append(f"checkpoint_every = {self.checkpoint_every}")
+        if self.store:
+            lines += [
+                "",
+                "[store]",
+                f'dir = "{self.store_path(nodeid)}"',
+                f'fsync = "{self.fsync}"',
+            ]
+            if self.store_options:
+                lines.append(self.store_options)
         path = self.config_path(nodeid)
         path.write_text("\n".join(lines) + "\n" + self.extra_config)
         return path
 
-    def start(self, nodeid: int) -> subprocess.Popen[bytes]:
+    def start(self, nodeid: int, *, force_boot: bool = False) -> subprocess.Popen[bytes]:
         cfg = self.write_config(nodeid)
         env = dict(os.environ)
         with open(self.log_path(nodeid), "ab") as log:
             proc = subprocess.Popen(
-                [self.python, "-m", "cpgbroker", "start", "--config", str(cfg)],
+                [self.python, "-m", "cpgbroker", "start", "--config", str(cfg)]
+                + (["--force-boot"] if force_boot else []),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -107,6 +107,12 @@ def _parser() -> argparse.ArgumentParser:
         "10000): lower for short runs, so that an audit checks the replicas",
     )
     up.add_argument(
+        "--store",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="give each broker a durable store in its node directory (default: yes)",
+    )
+    up.add_argument(
         "--base-port",
         type=int,
         default=5701,
@@ -181,7 +187,9 @@ def _main(args: argparse.Namespace) -> int:
                 n.nodeid: (args.base_port + n.nodeid - 1, args.base_port + 10000 + n.nodeid - 1)
                 for n in cluster.nodes
             }
-            brokers = BrokerSet(cluster, ports=ports, checkpoint_every=args.checkpoint_every)
+            brokers = BrokerSet(
+                cluster, ports=ports, checkpoint_every=args.checkpoint_every, store=args.store
+            )
             try:
                 brokers.start_all(timeout=60)
             except BaseException:

@@ -64,10 +64,12 @@ from cpgbroker.model.events import (
     ClientDisconnected,
     CloseClient,
     ClusterMembers,
+    DiskAlarm,
     DoOutput,
     Effect,
     Event,
     MemberLeft,
+    Recovered,
     Tick,
 )
 from cpgbroker.model.memory import MemoryMark
@@ -161,6 +163,12 @@ class Broker:
                 delivery.publish_members(q, topology.member_urls)
         elif t is MemberLeft:
             self.conns.member_left(event.member)  # type: ignore[union-attr]
+            if event.member in self.mark.disk_alarms:  # type: ignore[union-attr]
+                self.mark.set_disk_alarm(event.member, False)  # type: ignore[union-attr]
+        elif t is DiskAlarm:
+            self.mark.set_disk_alarm(event.member, event.low)  # type: ignore[union-attr]
+        elif t is Recovered:
+            self.topology.drop_transient()
         else:
             raise InvariantError(f"unknown event {event!r}")
         return self._flush()
@@ -241,11 +249,22 @@ class Broker:
         return self.out.shadow_confirms
 
     def restore_counters(
-        self, *, now_ms: int, event_seq: int, msg_seq: int, queued_bytes: int, blocked: bool
+        self,
+        *,
+        now_ms: int,
+        event_seq: int,
+        msg_seq: int,
+        queued_bytes: int,
+        blocked: bool,
+        memory_blocked: bool,
+        disk_alarms: list[int],
     ) -> None:
         """Install the counters of a snapshot (``snapshot.Restorer``)."""
         self.clock.now_ms = now_ms
         self.event_seq = event_seq
         self.delivery.msg_seq = msg_seq
-        self.mark.queued_bytes = queued_bytes
-        self.mark.blocked = blocked
+        mark = self.mark
+        mark.queued_bytes = queued_bytes
+        mark.blocked = blocked
+        mark.memory_blocked = memory_blocked
+        mark.disk_alarms = dict.fromkeys(disk_alarms, True)

@@ -272,7 +272,7 @@ class Delivery:
             return
         self.route_and_enqueue(conn, ch, vh, ex, msg, pend.mandatory)
         mark = self._mark
-        if mark.queued_bytes > mark.high and not mark.blocked:
+        if mark.queued_bytes > mark.high and not mark.memory_blocked:
             mark.set_blocked(True)
 
     def route_and_enqueue(
@@ -284,11 +284,16 @@ class Delivery:
             if mandatory:
                 self._send_return(conn, ch, msg, R.NO_ROUTE, "NO_ROUTE")
         else:
+            durable = False
             for q in queues:
                 if self.enqueue(q, Entry(msg, False, None)):
                     self.dispatch(q)
+                    durable = durable or q.durable
                 else:
                     refused = True
+            if durable and msg.delivery_mode == 2:
+                # Its confirm (or the commit-ok of its transaction) waits for the stores.
+                self._out.persisted(conn)
         if ch.confirm:
             self._confirm_publish(conn, ch, refused)
 

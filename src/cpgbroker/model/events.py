@@ -82,6 +82,24 @@ class ClusterMembers:
     urls: tuple[str, ...]
 
 
+@attrs.frozen
+class Recovered:
+    """The cluster restarts from a member's store after every member stopped: what AMQP does
+    not keep across a broker restart goes (non-durable exchanges and queues, transient
+    messages). Applied once, after the connections of the stopped members were closed (their
+    unacked messages are back in their queues, marked redelivered), so every replica and every
+    later replay drops exactly the same things."""
+
+
+@attrs.frozen
+class DiskAlarm:
+    """``member``'s store has less free disk space than its limit (``low``), or has enough
+    again: while any member is in alarm, publishers are blocked (RabbitMQ's disk alarm)."""
+
+    member: int
+    low: bool
+
+
 Event = (
     ClientConnected
     | ClientData
@@ -91,21 +109,31 @@ Event = (
     | DoOutput
     | MemberLeft
     | ClusterMembers
+    | Recovered
+    | DiskAlarm
 )
+
+
+# ``Send.confirm`` levels.
+CONFIRM = 1
+CONFIRM_DURABLE = 2
 
 
 @attrs.frozen
 class Send:
     """Write ``data`` to the client of ``conn``.
 
-    ``confirm``: the bytes carry a publisher confirm (basic.ack/nack) or tx.commit-ok. A
-    cluster member writes such output only once the event is stable (applied by every ready
-    member), so a confirm never reaches a client for an event a surviving member may lack.
+    ``confirm``: the bytes carry a publisher confirm (basic.ack/nack) or tx.commit-ok
+    (:data:`CONFIRM`), one that covers a persistent message routed to a durable queue
+    (:data:`CONFIRM_DURABLE`), or neither (0). A cluster member writes such output only once
+    the event is stable (applied by every ready member), so a confirm never reaches a client
+    for an event a surviving member may lack; a durable one only once every ready member has
+    also written the event to its store (fsynced it, by default).
     """
 
     conn: int
     data: bytes
-    confirm: bool = False
+    confirm: int = 0
 
 
 @attrs.frozen

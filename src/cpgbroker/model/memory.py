@@ -12,6 +12,11 @@ replicated state only, so every replica blocks and unblocks at the same event.
 Delivery adds to ``queued_bytes`` when it enqueues (inline: it is the per-message path);
 everything that removes a message from a queue calls :meth:`release`. The mark never looks
 at queues or channels beyond the message it is told about.
+
+The disk works the same way (RabbitMQ's ``disk_free_limit``): a member whose store's disk has
+less free space than ``[store] free_disk_limit_mib`` multicasts a ``DiskAlarm``; while any
+member is in alarm, publishers are blocked ("low on disk"), at the same event on every replica
+because the alarm is part of the stream. ``blocked`` is the effect of both causes.
 """
 
 from __future__ import annotations
@@ -26,13 +31,26 @@ from cpgbroker.model.output import Output
 
 
 class MemoryMark:
-    __slots__ = ("_connections", "_out", "blocked", "high", "low", "queued_bytes")
+    __slots__ = (
+        "_connections",
+        "_out",
+        "blocked",
+        "disk_alarms",
+        "high",
+        "low",
+        "memory_blocked",
+        "queued_bytes",
+    )
 
     def __init__(
         self, config: BrokerConfig, connections: dict[int, Connection], out: Output
     ) -> None:
         self.queued_bytes = 0
+        # Publishers are blocked (either cause); above the memory mark (until below ``low``).
         self.blocked = False
+        self.memory_blocked = False
+        # Members whose store's disk is low on free space (dict: insertion order, no sets).
+        self.disk_alarms: dict[int, bool] = {}
         self.high = config.high_watermark_bytes
         # The same float every time the old code computed it, so the comparison is unchanged.
         self.low = config.high_watermark_bytes * config.low_watermark_ratio
@@ -44,17 +62,37 @@ class MemoryMark:
         size = len(e.msg.body)
         q.ready_bytes -= size
         self.queued_bytes -= size
-        if self.blocked and self.queued_bytes < self.low:
+        if self.memory_blocked and self.queued_bytes < self.low:
             self.set_blocked(False)
 
     def check(self) -> None:
         """After publishing: block publishers if the queues went above the mark."""
-        if self.queued_bytes > self.high and not self.blocked:
+        if self.queued_bytes > self.high and not self.memory_blocked:
             self.set_blocked(True)
 
+    def set_disk_alarm(self, member: int, low: bool) -> None:
+        """``member``'s disk is low on free space (or no longer is, or the member left)."""
+        if low:
+            self.disk_alarms[member] = True
+        else:
+            self.disk_alarms.pop(member, None)
+        self._apply(self.memory_blocked or bool(self.disk_alarms))
+
+    @property
+    def reason(self) -> str:
+        """connection.blocked's reason, as RabbitMQ words it."""
+        return "low on memory" if self.memory_blocked else "low on disk"
+
     def set_blocked(self, blocked: bool) -> None:
+        """The memory mark was crossed (up: ``blocked``)."""
+        self.memory_blocked = blocked
+        self._apply(blocked or bool(self.disk_alarms))
+
+    def _apply(self, blocked: bool) -> None:
         """Block (or unblock) publishers: connection.blocked to clients that understand it, and
-        stop reading from connections that publish, so memory stays bounded."""
+        stop reading from connections that publish, so memory (and disk) stays bounded."""
+        if blocked == self.blocked:
+            return
         self.blocked = blocked
         out = self._out
         for conn in self._connections.values():
@@ -62,7 +100,7 @@ class MemoryMark:
                 continue
             if conn.capabilities.get("connection.blocked"):
                 if blocked and not conn.blocked_sent:
-                    out.send_method(conn, 0, commands.Connection.Blocked(reason="low on memory"))
+                    out.send_method(conn, 0, commands.Connection.Blocked(reason=self.reason))
                     conn.blocked_sent = True
                 elif not blocked and conn.blocked_sent:
                     out.send_method(conn, 0, commands.Connection.Unblocked())

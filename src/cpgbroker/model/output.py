@@ -32,7 +32,7 @@ from pamqp import frame as pframe
 
 from cpgbroker.errors import InvariantError
 from cpgbroker.model.entities import Connection
-from cpgbroker.model.events import CloseConnection, Effect, Send
+from cpgbroker.model.events import CONFIRM, CONFIRM_DURABLE, CloseConnection, Effect, Send
 
 _FRAME_HEAD = struct.Struct(">BHI")
 _U32 = struct.Struct(">I")
@@ -90,7 +90,7 @@ class Output:
     themselves (a method call per delivery is what they save); everything else goes
     through :meth:`emit` and :meth:`send_method`."""
 
-    __slots__ = ("_clock", "_effects", "dirty", "shadow_confirms")
+    __slots__ = ("_clock", "_durable", "_effects", "dirty", "shadow_confirms")
 
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
@@ -99,6 +99,9 @@ class Output:
         self.dirty: list[Connection] = []
         # Confirms and tx.commit-oks produced for shadow connections (see module docstring).
         self.shadow_confirms = 0
+        # Connections that published a persistent message to a durable queue in this event:
+        # their confirms wait for the stores too (membership tests only; cleared per event).
+        self._durable: dict[int, bool] = {}
 
     def emit(self, conn: Connection, data: bytes) -> None:
         conn.last_tx_ms = self._clock.now_ms
@@ -124,11 +127,20 @@ class Output:
         else:
             self.shadow_confirms += 1
 
+    def persisted(self, conn: Connection) -> None:
+        """``conn`` published a persistent message that a durable queue took, in this event:
+        a confirm or commit-ok it is given now waits for every member's store."""
+        if conn.emit:
+            self._durable[conn.id] = True
+
     def flush_conn(self, conn: Connection) -> None:
         if conn.outbuf:
             data = conn.outbuf[0] if len(conn.outbuf) == 1 else b"".join(conn.outbuf)
             conn.outbuf.clear()
-            self._effects.append(Send(conn.id, data, conn.confirm_out))
+            level = 0
+            if conn.confirm_out:
+                level = CONFIRM_DURABLE if conn.id in self._durable else CONFIRM
+            self._effects.append(Send(conn.id, data, level))
             conn.confirm_out = False
 
     def close_socket(self, conn: Connection, reason: str) -> None:
@@ -141,6 +153,8 @@ class Output:
         for conn in self.dirty:
             self.flush_conn(conn)
         self.dirty.clear()
+        if self._durable:
+            self._durable.clear()
         effects = self._effects
         self._effects = []
         return effects

@@ -82,6 +82,8 @@ NOT_REPLICATED = {
     "Topology": {"_expiry_heap", "_expiry_seq"},
     # Derived from ``ttl_queues`` (``TtlQueues.rebuild`` on restore).
     "Queue": {"ttl_order", "ttl_due"},
+    "Connections": {"deadlines"},
+    "Consumer": {"qseq"},
 }
 
 
@@ -249,18 +251,7 @@ def parts(b: Broker, chunk: int = CHUNK) -> Iterator[Any]:
             return [m.id, e.redelivered, e.expires_at, e.delivery_count]
         return [m.id, e.redelivered, e.expires_at]
 
-    yield {
-        "format": SNAPSHOT_FORMAT,
-        "now_ms": b.now_ms,
-        "event_seq": b.event_seq,
-        "msg_seq": b.msg_seq,
-        "queued_bytes": b.queued_bytes,
-        "blocked": b.blocked,
-        "member_urls": list(b.member_urls),
-        "queues": len(queues),
-        "messages": sum(len(q.messages) + q.unacked for q in queues),
-        "connections": len(b.connections),
-    }
+    yield _head(b, queues)
     for i, q in enumerate(queues):
         yield ["queue", i, _queue(q)]
         # One pass over the queue (every consumer of these parts runs to the end without
@@ -294,6 +285,29 @@ def parts(b: Broker, chunk: int = CHUNK) -> Iterator[Any]:
             ],
         },
     ]
+
+
+
+def _head(b: Broker, queues: list[Queue]) -> dict[str, Any]:
+    h: dict[str, Any] = {
+        "format": SNAPSHOT_FORMAT,
+        "now_ms": b.now_ms,
+        "event_seq": b.event_seq,
+        "msg_seq": b.msg_seq,
+        "queued_bytes": b.queued_bytes,
+        "blocked": b.blocked,
+        "member_urls": list(b.member_urls),
+        "queues": len(queues),
+        "messages": sum(len(q.messages) + q.unacked for q in queues),
+        "connections": len(b.connections),
+    }
+    mark = b.mark
+    # Only when they say more than "blocked" does: a state without a disk alarm snapshots
+    # (and digests) exactly as before disk alarms existed.
+    if mark.disk_alarms:
+        h["disk_alarms"] = list(mark.disk_alarms)
+        h["memory_blocked"] = mark.memory_blocked
+    return h
 
 
 def snapshot(b: Broker) -> list[Any]:
@@ -555,6 +569,9 @@ class Restorer:
             msg_seq=h["msg_seq"],
             queued_bytes=h["queued_bytes"],
             blocked=h["blocked"],
+            # Written only with a disk alarm (see _head).
+            memory_blocked=h.get("memory_blocked", h["blocked"]),
+            disk_alarms=h.get("disk_alarms", []),
         )
         self.head = h
 

@@ -521,6 +521,31 @@ class Topology:
             if owner is not None:
                 owner.exclusive_queues.pop(q.name, None)
 
+    def drop_transient(self) -> None:
+        """After a restart from a store: what AMQP keeps across a broker restart stays
+        (durable exchanges and queues, their bindings, persistent messages on durable queues),
+        everything else goes. Walks vhosts, queues and exchanges in their dict (declaration)
+        order, so every replica drops the same things in the same order."""
+        release = self._mark.release
+        for vh in list(self.vhosts.values()):
+            for q in list(vh.queues.values()):
+                if not q.durable:
+                    self.delete_queue(q)
+                    continue
+                kept = [e for e in q.messages if e.msg.delivery_mode == 2]
+                if len(kept) == len(q.messages):
+                    continue
+                for e in q.messages:
+                    if e.msg.delivery_mode != 2:
+                        release(q, e)
+                q.messages.clear()
+                for e in kept:
+                    q.messages.append(e)
+                self.ttl_queues.note(q)
+            for ex in list(vh.exchanges.values()):
+                if not ex.durable and not ex.deleted:
+                    self._delete_exchange(vh, ex)
+
     def delete_exclusive(self, conn: Connection) -> None:
         """``conn`` closes: the queues it declared exclusive go with it (spec)."""
         vh = self.vhosts.get(conn.vhost)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from cpgbroker.model.events import Send
+from cpgbroker.model.events import CONFIRM_DURABLE, Send
 from cpgbroker.runtime.server import LocalConn
 
 
@@ -46,15 +46,26 @@ class ConfirmGate:
     def hold(self, lc: LocalConn, eff: Send) -> None:
         """Output that must wait: a confirm until its event is stable, anything else (for the
         same connection) until the output before it is out."""
-        lc.held.append((self._event_seq() if eff.confirm else 0, eff.data, ""))
+        lc.held.append(
+            (
+                self._event_seq() if eff.confirm else 0,
+                eff.data,
+                "",
+                eff.confirm == CONFIRM_DURABLE,
+            )
+        )
         self.holding[lc.id] = lc
 
     def hold_close(self, lc: LocalConn, reason: str) -> None:
         """The model closed a connection that has output held: the close goes after it."""
-        lc.held.append((0, None, reason))
+        lc.held.append((0, None, reason, False))
 
-    def release(self, stable: int, out: Output) -> None:
-        """Write what waited for events up to ``stable``, in order per connection."""
+    def release(self, stable: int, out: Output, durable: int | None = None) -> None:
+        """Write what waited for events up to ``stable`` (and, for a confirm of a persistent
+        message on a durable queue, up to ``durable`` in every store; None: no store), in
+        order per connection."""
+        if durable is None:
+            durable = stable
         local = out.local
         for cid, lc in list(self.holding.items()):
             if local.get(cid) is not lc:
@@ -62,15 +73,15 @@ class ConfirmGate:
                 continue
             held = lc.held
             n = 0
-            for seq, _data, _reason in held:
-                if seq > stable:
+            for seq, _data, _reason, on_disk in held:
+                if seq > stable or (on_disk and seq > durable):
                     break
                 n += 1
             if not n:
                 continue
             ready = held[:n]
             del held[:n]
-            for _seq, data, reason in ready:
+            for _seq, data, reason, _on_disk in ready:
                 if data is not None:
                     out.write(lc, data)
                 else:

@@ -40,6 +40,8 @@ TYPE_NAMES = {
     "Tick": "tick",
     "MemberLeft": "member-left",
     "ClusterMembers": "members",
+    "Recovered": "recovered",
+    "DiskAlarm": "disk-alarm",
 }
 
 

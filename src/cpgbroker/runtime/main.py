@@ -82,12 +82,14 @@ def setup_logging(level: str, fmt: str = "logfmt") -> None:
     root.propagate = False
 
 
-def main(config_path: str | None, listen: str | None) -> int:
+def main(config_path: str | None, listen: str | None, force_boot: bool = False) -> int:
     from cpgbroker.errors import ConfigError
     from cpgbroker.runtime import settings as cfgmod
 
     try:
         cfg = cfgmod.load(config_path, listen)
+        if force_boot:
+            cfg = cfgmod.with_force_boot(cfg)
     except ConfigError as e:
         print(f"cpgbroker: {e}")
         return 2

@@ -77,7 +77,7 @@ from cpgbroker.corosync.events import (
 )
 from cpgbroker.errors import ClusterError
 from cpgbroker.model.broker import Broker
-from cpgbroker.model.events import ClientConnected, ClientData, MemberLeft, Tick
+from cpgbroker.model.events import ClientConnected, ClientData, MemberLeft, Recovered, Tick
 from cpgbroker.runtime.checkpoints import Checkpointer
 from cpgbroker.runtime.confirms import ConfirmGate
 from cpgbroker.runtime.cpg_trio import TrioCpg
@@ -92,6 +92,7 @@ from cpgbroker.runtime.settings import ServerConfig
 from cpgbroker.runtime.stops import STOP_SETTLE, Stops
 from cpgbroker.runtime.updater import DeferredUpdate, Updater
 from cpgbroker.runtime.watchdog import ApplyMark
+from cpgbroker.store.store import Store
 
 log = logging.getLogger("cpgbroker.member")
 
@@ -132,6 +133,9 @@ class ClusterNode:
         incarnation: int = 1,
         updates: dict[int, dict[str, Any]] | None = None,
         applying: ApplyMark | None = None,
+        store: Store | None = None,
+        restarted: bool = False,
+        forced: bool = False,
     ) -> None:
         cluster = config.cluster
         assert cluster is not None
@@ -147,17 +151,29 @@ class ClusterNode:
         self.scope: trio.CancelScope | None = None
         # Holds ring changes until votequorum's verdict on the new ring.
         self.gate = None if quorum is None else RingGate(quorum)
-        # The model a previous incarnation held when quorum was lost, with the seq of its last
-        # quorate ring: offered in our hellos, resumed only if the whole cluster lost quorum.
+        # The model a previous incarnation held when quorum was lost, or the process recovered
+        # from its store, with its history epoch: offered in our hellos, resumed only if no
+        # member serves (the whole cluster lost quorum or stopped).
         self.kept = kept
+        # The kept model was recovered from the store after the process (re)started: resuming
+        # it drops what a broker restart drops (``Recovered``).
+        self.restarted = restarted
+        # This member's durable store (None: memory only). It journals every applied event.
+        self.store = store
+        # The last event at which a confirm for another member's client was produced, and the
+        # durable seq last reported: the others' durable confirms wait for our store's report.
+        self._shadow_confirm_seq = 0
+        self._durable_reported = 0
         # Its state must not be offered again when it rejoins (it holds what the serving
         # members do not): merged back on the smaller side, or applied an event the cluster
         # failed while it was catching up.
         self.discard_state = False
         self.ready = trio.Event()
         self.broker = Broker(config.broker)
+        # A forced boot (``--force-boot``) does not wait for the other members' stores.
+        self.forced = forced
         self.membership = Membership(
-            member, cluster.size, MODEL_VERSION, config_digest(config), cluster.url
+            member, 1 if forced else cluster.size, MODEL_VERSION, config_digest(config), cluster.url
         )
         self.progress = PeerProgress(member, cluster.max_lag)
         self.multicast = Multicaster(cpg, self.progress, self.lag, self.report)
@@ -231,11 +247,15 @@ class ClusterNode:
             return None  # the serving members' state replaces ours
         ring = None if self.gate is None else self.gate.ring
         if self.ready.is_set() and ring is not None:
-            return self.broker, ring.seq
+            return self.broker, self.epoch()
         # Suspended before serving: still what it was offered with, unless a serving member
         # was seen meanwhile (then that member's state replaces it, and offering the old one
         # again could resume stale state).
         return self.kept
+
+    def epoch(self) -> int:
+        """The history epoch of this member's state (see cluster/membership.py)."""
+        return 1 if self.store is None else self.store.epoch
 
     def inject_fault(self, kind: str, at_seq: int, seconds: float = 0.0) -> dict[str, Any]:
         """Make this member fail (or be slow) at event ``at_seq`` (tests; ``[cluster]
@@ -263,8 +283,13 @@ class ClusterNode:
         return self.suspended is None and self.stops.halted is None
 
     def lag(self) -> int:
-        """How many events the slowest ready member is behind this one."""
-        return self.progress.lag(self.broker.event_seq, self.membership.ready_members)
+        """How many events the slowest ready member is behind this one, in applying them or
+        in writing them to its store (a disk slower than the publishers pushes back too)."""
+        seq = self.broker.event_seq
+        lag = self.progress.lag(seq, self.membership.ready_members)
+        if self.store is not None:
+            lag = max(lag, seq - self.durable_seq())
+        return lag
 
     def applied_seq(self) -> int:
         """The last event this member vouches for (before a failed one it is stalled at)."""
@@ -275,12 +300,43 @@ class ClusterNode:
         applied: confirms for events up to it may go out."""
         return self.progress.stable(self.applied_seq(), self.membership.ready_members)
 
+    def durable_seq(self) -> int:
+        """The last event this member's store holds (all it applied, without a store)."""
+        applied = self.applied_seq()
+        store = self.store
+        return applied if store is None else min(applied, store.durable)
+
+    def durable_stable_seq(self) -> int:
+        """The highest event every ready member's store is known to hold: confirms of
+        persistent messages on durable queues up to it may go out."""
+        return self.progress.durable_stable(self.durable_seq(), self.membership.ready_members)
+
     def report(self) -> bytes:
         """Our progress report as of now (at least the events that asked for it)."""
-        return codec.encode(Progress(self.member, self.applied_seq()))
+        durable = self.durable_seq()
+        self._durable_reported = durable
+        return codec.encode(Progress(self.member, self.applied_seq(), durable))
 
     def _release_stable(self) -> None:
-        self.confirms.release(self.stable_seq(), self.io)
+        self.confirms.release(
+            self.stable_seq(), self.io, None if self.store is None else self.durable_stable_seq()
+        )
+
+    def on_durable(self, seq: int) -> None:
+        """The store has written (fsynced) events up to ``seq``: our durable confirms may go
+        out, and the others' wait for our report if they had any since the last one."""
+        if self.suspended is not None or self.failure is not None:
+            return
+        if self.confirms.holding:
+            self._release_stable()
+        if self.membership.state == READY and (
+            self._durable_reported < self._shadow_confirm_seq <= seq
+            # Keep the others' view of our store fresh (their flow control counts it) when
+            # it catches up after falling behind.
+            or seq - self._durable_reported >= self.progress.every
+        ):
+            self.multicast.report_soon(False)
+        self.multicast.progress_changed()
 
     # ------------------------------------------------------------------ delivery
 
@@ -352,6 +408,7 @@ class ClusterNode:
 
     def _report_for_confirms(self) -> None:
         self.progress.confirms_seen = self.broker.shadow_confirms
+        self._shadow_confirm_seq = self.broker.event_seq
         if self.suspended is not None or self.membership.state != READY:
             return
         self.multicast.report_soon(self.io.answer_expected)
@@ -424,7 +481,7 @@ class ClusterNode:
             self._on_update_request(e)
             return
         if t is Progress:
-            self.progress.on_report(e.member, e.seq)
+            self.progress.on_report(e.member, e.seq, e.durable)
             self.multicast.progress_changed()
             return
         if t is Checkpoint:
@@ -485,10 +542,24 @@ class ClusterNode:
             broker.set_emit(e.conn, False)
         self._after_apply(e, sender)
 
-    def _after_apply(self, e: Any, sender: int) -> None:
+    def _after_apply(self, e: Any, sender: int, failed: bool = False) -> None:
         if self.suspended is not None:
             # Not applied (see _apply_stream): nothing to log, report or digest.
             return
+        store = self.store
+        if store is not None:
+            seq = self.broker.event_seq
+            err = store.failed
+            if err is not None:
+                # The store could not write (or fsync) an event: it can no longer vouch for
+                # what this member applies. Whether the member may go on is the cluster's call
+                # (a disk that fails alone makes its member leave).
+                name = errno.errorcode.get(err.errno or 0, "EIO")
+                self.errorchecks.local_error(seq, f"store-write: {name}", str(err), e, sender)
+                return
+            store.append(seq, e, failed)
+            if store.due_snapshot():
+                store.snapshot(self.broker)
         events = self.eventlog
         if events.file is not None:
             seq = self.broker.event_seq
@@ -506,7 +577,9 @@ class ClusterNode:
         if self.stall.owed:
             self.errorchecks.pay_owed(seq)
         if seq % self.progress.every == 0:
-            self.multicast.send_control(codec.encode(Progress(self.member, seq)))
+            durable = self.durable_seq()
+            self._durable_reported = durable
+            self.multicast.send_control(codec.encode(Progress(self.member, seq, durable)))
         if seq % self.checkpoints.every == 0:
             self.checkpoints.take(seq, self.broker)
 
@@ -611,6 +684,11 @@ class ClusterNode:
             elif t is ApplyToModel:
                 if self.stops.halted is not None:
                     continue
+                store = self.store
+                if store is not None and store.next_seq != self.broker.event_seq + 1:
+                    # Starting from a state the store does not hold (a fresh start while the
+                    # store kept a discarded state): it holds this one from here.
+                    store.replace(self.broker)
                 if self.stall.stalled is not None:
                     self.stall.hold(a.event, 0)
                     continue
@@ -632,18 +710,34 @@ class ClusterNode:
         requeued. Nobody else has a model yet: they take updates after this point.
         """
         assert self.kept is not None
-        broker, ring = self.kept
+        broker, epoch = self.kept
         self.kept = None
         self.broker = broker
         stale = sorted({codec.split_conn(c)[0] for c in broker.connections})
         log.warning(
-            "resuming the state kept since quorum was lost: ring %s, event %s, closing the "
-            "connections of %d former members",
-            ring,
+            "resuming the state %s: epoch %s, event %s, closing the connections of %d former "
+            "members",
+            "recovered from the store" if self.restarted else "kept since quorum was lost",
+            epoch,
             broker.event_seq,
             len(stale),
         )
+        if self.forced and self.store is not None:
+            # The history goes on from here without the members that did not come: a new
+            # epoch, so that it wins over their stores even where they hold more events.
+            epoch = self.store.new_epoch()
+            log.warning(
+                "FORCED BOOT: serving from this member's store alone (now epoch %d, event %d); "
+                "the other members' stores will be replaced by state updates when they join, "
+                "even if they held confirmed messages this one lacks",
+                epoch,
+                broker.event_seq,
+            )
         self._act([ApplyToModel(MemberLeft(m)) for m in stale])
+        if self.restarted:
+            # After a restart, what AMQP does not keep across one goes (the unacked messages
+            # of the closed connections are back in their queues, marked redelivered).
+            self._act([ApplyToModel(Recovered())])
         self._act([ApplyToModel(Tick(max(start_ms, broker.now_ms)))])
 
     # ------------------------------------------------------------------ state update
@@ -677,6 +771,9 @@ class ClusterNode:
     def _install(self, broker: Broker, members: list[list[Any]]) -> None:
         """The newcomer installs the state of its update point."""
         self.broker = broker
+        if self.store is not None:
+            # Whatever the store held is older than what the cluster serves: replaced.
+            self.store.replace(broker)
         self.membership.adopt(members)
         self.progress.estimate(self.membership.ready_members, broker.event_seq)
 
@@ -693,7 +790,7 @@ class ClusterNode:
         self.io.execute(
             self.broker.fail_event(e, "internal error while processing this connection")
         )
-        self._after_apply(e, sender)
+        self._after_apply(e, sender, failed=True)
 
     def _replay_kept(self, e: Any, sender: int) -> None:
         """One item kept while this member was held by an error-check round."""
@@ -716,7 +813,9 @@ class ClusterNode:
         halted = self.stops.halted
         assert halted is not None
         with trio.move_on_after(STOP_SETTLE if self.confirms.holding else 0):
-            while self.stable_seq() < halted:
+            while self.stable_seq() < halted or (
+                self.store is not None and self.durable_stable_seq() < halted
+            ):
                 await self.multicast.wait_progress()
         self._release_stable()
         text = self.stops.client_text()

@@ -40,6 +40,7 @@ from cpgbroker.runtime.server import (
     wait_for_signal,
 )
 from cpgbroker.runtime.settings import ServerConfig, parse_listen
+from cpgbroker.runtime.storage import StoreLink
 
 log = logging.getLogger("cpgbroker.member")
 
@@ -99,8 +100,14 @@ class MemberProcess:
         self.last_suspension: str | None = None
         self.refused = 0
         self.stop = trio.Event()
-        # (model, ring seq) kept from an incarnation that served until quorum was lost.
+        # (model, history epoch) kept from an incarnation that served until quorum was lost,
+        # or recovered from the store at start-up (``restarted``).
         self.kept: tuple[Broker, int] | None = None
+        self.restarted = False
+        # The durable store (``[store]``), shared by every incarnation.
+        self.storage: StoreLink | None = (
+            None if config.store is None else StoreLink(config.store, self.cluster.group)
+        )
         self.watchdog: Any = None
         # The event being applied, shared by every incarnation with the watchdog's feeder.
         self.applying = watchdog.ApplyMark()
@@ -128,6 +135,8 @@ class MemberProcess:
                 "quorum": self.quorum.status(),
             }
         out["incarnations"] = self.incarnations
+        if self.storage is not None:
+            out["store"] = self.storage.status()
         out["refused_connections"] = self.refused
         out["watchdog"] = (
             None
@@ -198,6 +207,26 @@ class MemberProcess:
     async def run(
         self, task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED
     ) -> None:
+        try:
+            await self._run(task_status)
+        finally:
+            self._close_store()
+
+    def _close_store(self) -> None:
+        """Stopped on purpose: everything applied is fsynced and the store marked clean.
+        Failed: closed as is (the next start recovers to the last whole record)."""
+        storage, self.storage = self.storage, None
+        if storage is None:
+            return
+        node = self.node
+        clean = self.stop.is_set() and (node is None or node.failure is None)
+        last = 0 if node is None else node.broker.event_seq
+        try:
+            storage.close(clean, last)
+        except OSError as e:
+            log.error("closing the store failed: %s", e)
+
+    async def _run(self, task_status: trio.TaskStatus[list[tuple[str, int]]]) -> None:
         config, cluster = self.config, self.cluster
         listeners: list[trio.SocketListener] = []
         async with trio.open_nursery() as outer:
@@ -225,6 +254,16 @@ class MemberProcess:
 
             outer.start_soon(on_signal)
             await self._check_quorum_policy()
+            if self.storage is not None:
+                self.phase = "recovering"
+                rec = await self.storage.recover(config.broker)
+                outer.start_soon(self.storage.watch_snapshots)
+                outer.start_soon(self.storage.watch_disk)
+                if rec is not None:
+                    # Offered in the hellos like a state kept after quorum loss: the freshest
+                    # among the members that start together is resumed, the others update.
+                    self.kept = (rec.broker, rec.epoch)
+                    self.restarted = True
             first = True
             while True:
                 if not self.quorum.quorate:
@@ -301,8 +340,13 @@ class MemberProcess:
                 incarnation=self.incarnations,
                 updates=self.updates,
                 applying=self.applying,
+                store=None if self.storage is None else self.storage.store,
+                restarted=self.restarted and self.kept is not None,
+                forced=cluster.force_boot and first,
             )
             self.node = node
+            if self.storage is not None:
+                self.storage.node = node
             unregister = self.quorum.on_loss(node.on_quorum_loss)
             log.info(
                 "joined member=%s node=%s pid=%s incarnation=%d",
@@ -370,6 +414,7 @@ class MemberProcess:
                             outer.start_soon(self._accept, listeners, outer)
                         served = True
                         self.kept = None  # serving again: the kept state was resumed or replaced
+                        self.restarted = False
                         self.phase = "ready"
                         log.info("serving clients (incarnation %d)", self.incarnations)
                         await _first_of(self.stop, node.stop_requested)

@@ -122,9 +122,9 @@ class LocalConn:
         # The writer task is inside send_all: only it may write until it is done.
         self.sending = False
         # Output waiting, in order, for its event to become stable (cluster members only):
-        # (seq it waits for or 0, bytes, or None and a close reason for a held close). Only
-        # the confirm gate changes it; the node tests it.
-        self.held: list[tuple[int, bytes | None, str]] = []
+        # (seq it waits for or 0, bytes, or None and a close reason for a held close, whether
+        # it also waits for the stores). Only the confirm gate changes it; the node tests it.
+        self.held: list[tuple[int, bytes | None, str, bool]] = []
 
 
 class Sequencer(Protocol):
@@ -453,6 +453,9 @@ def model_status(broker: Broker, local: int, with_digest: bool) -> dict[str, Any
             for q in vh.queues.values()
         },
         "event_seq": broker.event_seq,
+        # Publishers blocked: above the memory mark, or a member's disk alarm (its id).
+        "publishers_blocked": broker.blocked,
+        "disk_alarms": list(broker.mark.disk_alarms),
     }
 
 

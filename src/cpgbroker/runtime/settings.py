@@ -11,6 +11,7 @@ import attrs
 
 from cpgbroker.errors import ConfigError
 from cpgbroker.model.config import BrokerConfig, User
+from cpgbroker.store.store import FSYNC_POLICIES, StoreSettings
 
 
 @attrs.frozen
@@ -54,6 +55,9 @@ class ClusterConfig:
     # Accept ``POST /faults`` on the status endpoint (make this member fail at a chosen event,
     # or find its disk full): for tests of the cluster's error handling, never in production.
     fault_injection: bool = False
+    # ``cpgbroker start --force-boot`` (never from the file): after a whole-cluster stop,
+    # serve from this member's store without waiting for ``size`` members.
+    force_boot: bool = False
 
 
 @attrs.frozen
@@ -72,6 +76,15 @@ class ServerConfig:
     admin_token: str = ""
     broker: BrokerConfig = attrs.Factory(BrokerConfig)
     cluster: ClusterConfig | None = None
+    # The member's durable store (``[store]``; cluster members only); None: memory only.
+    store: StoreSettings | None = None
+
+
+def with_force_boot(cfg: ServerConfig) -> ServerConfig:
+    """``--force-boot``: only for a cluster member with a store."""
+    if cfg.cluster is None or cfg.store is None:
+        raise ConfigError("--force-boot is for a cluster member with a store ([cluster], [store])")
+    return attrs.evolve(cfg, cluster=attrs.evolve(cfg.cluster, force_boot=True))
 
 
 def parse_listen(addr: str) -> tuple[str, int]:
@@ -102,7 +115,7 @@ def load(path: str | None, listen: str | None = None) -> ServerConfig:
 
 
 def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
-    known = {"server", "limits", "users", "vhosts", "cluster", "log"}
+    known = {"server", "limits", "users", "vhosts", "cluster", "log", "store"}
     unknown = sorted(k for k in data if k not in known)
     if unknown:
         raise ConfigError(f"unknown config section(s): {', '.join(unknown)}")
@@ -202,6 +215,9 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             raise ConfigError("cluster.max_apply_seconds must be 0 (off) or positive")
         if not isinstance(c.get("fault_injection", False), bool):
             raise ConfigError("cluster.fault_injection must be true or false")
+    store = _store(dict(data["store"])) if "store" in data else None
+    if store is not None and cluster is None:
+        raise ConfigError("[store] needs [cluster]: the store records a cluster member's stream")
     admin_listen = str(server.get("admin", ""))
     if admin_listen:
         parse_listen(admin_listen)
@@ -221,6 +237,50 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
         admin_token=admin_token,
         broker=broker,
         cluster=cluster,
+        store=store,
+    )
+
+
+_STORE_KEYS = (
+    "dir",
+    "fsync",
+    "fsync_interval_ms",
+    "segment_mib",
+    "snapshot_mib",
+    "free_disk_limit_mib",
+)
+
+
+def _store(d: dict[str, Any]) -> StoreSettings | None:
+    unknown = sorted(k for k in d if k not in _STORE_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown [store] key(s): {', '.join(unknown)}")
+    directory = str(d.get("dir", ""))
+    if not directory:
+        return None
+    fsync = str(d.get("fsync", "always"))
+    if fsync not in FSYNC_POLICIES:
+        raise ConfigError(f"[store] fsync must be one of {', '.join(FSYNC_POLICIES)}")
+    interval = d.get("fsync_interval_ms", 20)
+    segment = d.get("segment_mib", 64)
+    snap = d.get("snapshot_mib", 256)
+    free = d.get("free_disk_limit_mib", 50)
+    if isinstance(free, bool) or not isinstance(free, int) or free < 0:
+        raise ConfigError("[store] free_disk_limit_mib must be 0 (off) or a positive integer")
+    for key, v in (
+        ("fsync_interval_ms", interval),
+        ("segment_mib", segment),
+        ("snapshot_mib", snap),
+    ):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"[store] {key} must be a positive integer")
+    return StoreSettings(
+        directory=directory,
+        fsync=fsync,
+        fsync_interval_ms=interval,
+        segment_bytes=segment * 2**20,
+        snapshot_bytes=snap * 2**20,
+        free_disk_limit=free * 2**20,
     )
 
 

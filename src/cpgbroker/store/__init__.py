@@ -1,0 +1,1 @@
+"""The durable store of a member: journal, snapshots and metadata."""

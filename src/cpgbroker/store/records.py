@@ -1,0 +1,129 @@
+"""The journal's payloads: one applied stream event each (pure: bytes in, events out).
+
+A member journals exactly what it applied to its model, in order, so replaying the journal on
+top of the snapshot it starts from rebuilds the same model (the model is deterministic). The
+encoding is this package's own, not the multicast codec's: it covers the events a member
+applies without their being multicast (``MemberLeft``, ``ClusterMembers``, ``Recovered``) and
+says whether the cluster failed the event in an error-check round (then the replay counts it
+and closes its connection, as ``Broker.fail_event`` did, instead of applying it).
+
+Client bytes are most of what a member journals, so ``ClientData`` is one struct and a copy.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from cpgbroker.errors import InvariantError
+from cpgbroker.model.events import (
+    ClientConnected,
+    ClientData,
+    ClientDisconnected,
+    CloseClient,
+    ClusterMembers,
+    DiskAlarm,
+    DoOutput,
+    Event,
+    MemberLeft,
+    Recovered,
+    Tick,
+)
+
+R_DATA = 1
+R_CONNECTED = 2
+R_DISCONNECTED = 3
+R_DO_OUTPUT = 4
+R_CLOSE_CLIENT = 5
+R_TICK = 6
+R_MEMBER_LEFT = 7
+R_MEMBERS = 8
+R_RECOVERED = 9
+R_DISK_ALARM = 10
+# Or'ed into the type byte: the cluster failed this event (it counts, its connection closes).
+FAILED = 0x80
+
+_DATA = struct.Struct(">BQ")
+_Q = struct.Struct(">BQ")
+_QQ = struct.Struct(">BQQ")
+_QH = struct.Struct(">BQH")
+_CONN = struct.Struct(">BQQ?")
+_LEN = struct.Struct(">I")
+
+
+def _s(text: str) -> bytes:
+    b = text.encode()
+    return _LEN.pack(len(b)) + b
+
+
+def encode(ev: Event, failed: bool = False) -> bytes:
+    """The payload that journals ``ev`` (applied, or failed by the cluster)."""
+    t = type(ev)
+    flag = FAILED if failed else 0
+    if t is ClientData:
+        return _DATA.pack(R_DATA | flag, ev.conn) + ev.data  # type: ignore[union-attr]
+    if t is Tick:
+        return _Q.pack(R_TICK | flag, ev.now_ms)  # type: ignore[union-attr]
+    if t is DoOutput:
+        return _QQ.pack(R_DO_OUTPUT | flag, ev.conn, ev.limit)  # type: ignore[union-attr]
+    if t is ClientConnected:
+        c: ClientConnected = ev  # type: ignore[assignment]
+        return _CONN.pack(R_CONNECTED | flag, c.conn, c.member, c.loopback) + c.peer.encode()
+    if t is ClientDisconnected:
+        return _Q.pack(R_DISCONNECTED | flag, ev.conn) + ev.reason.encode()  # type: ignore[union-attr]
+    if t is CloseClient:
+        cc: CloseClient = ev  # type: ignore[assignment]
+        return _QH.pack(R_CLOSE_CLIENT | flag, cc.conn, cc.code) + cc.text.encode()
+    if t is MemberLeft:
+        return _Q.pack(R_MEMBER_LEFT | flag, ev.member)  # type: ignore[union-attr]
+    if t is ClusterMembers:
+        urls: tuple[str, ...] = ev.urls  # type: ignore[union-attr]
+        return bytes([R_MEMBERS | flag]) + b"".join(_s(u) for u in urls)
+    if t is Recovered:
+        return bytes([R_RECOVERED | flag])
+    if t is DiskAlarm:
+        return _Q.pack(R_DISK_ALARM | flag, ev.member) + bytes([ev.low])  # type: ignore[union-attr]
+    raise InvariantError(f"cannot journal {ev!r}")
+
+
+def decode(payload: bytes) -> tuple[Event, bool]:
+    """The event a payload journals, and whether the cluster failed it."""
+    if not payload:
+        raise InvariantError("empty journal record")
+    kind = payload[0] & ~FAILED
+    failed = bool(payload[0] & FAILED)
+    ev: Event
+    if kind == R_DATA:
+        ev = ClientData(_DATA.unpack_from(payload)[1], payload[_DATA.size :])
+    elif kind == R_TICK:
+        ev = Tick(_Q.unpack_from(payload)[1])
+    elif kind == R_DO_OUTPUT:
+        _, conn, limit = _QQ.unpack_from(payload)
+        ev = DoOutput(conn, limit)
+    elif kind == R_CONNECTED:
+        _, conn, member, loopback = _CONN.unpack_from(payload)
+        ev = ClientConnected(conn, member, payload[_CONN.size :].decode(), loopback)
+    elif kind == R_DISCONNECTED:
+        ev = ClientDisconnected(_Q.unpack_from(payload)[1], payload[_Q.size :].decode())
+    elif kind == R_CLOSE_CLIENT:
+        _, conn, code = _QH.unpack_from(payload)
+        ev = CloseClient(conn, code, payload[_QH.size :].decode())
+    elif kind == R_MEMBER_LEFT:
+        ev = MemberLeft(_Q.unpack_from(payload)[1])
+    elif kind == R_MEMBERS:
+        urls: list[str] = []
+        p = 1
+        while p < len(payload):
+            (n,) = _LEN.unpack_from(payload, p)
+            p += _LEN.size
+            urls.append(payload[p : p + n].decode())
+            p += n
+        if p != len(payload):
+            raise InvariantError("journal record: member list overruns its record")
+        ev = ClusterMembers(tuple(urls))
+    elif kind == R_RECOVERED:
+        ev = Recovered()
+    elif kind == R_DISK_ALARM:
+        ev = DiskAlarm(_Q.unpack_from(payload)[1], bool(payload[_Q.size]))
+    else:
+        raise InvariantError(f"unknown journal record type {kind}")
+    return ev, failed

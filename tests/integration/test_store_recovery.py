@@ -1,0 +1,392 @@
+"""Durable stores on real corosync with real clients: what the cluster confirmed survives losing
+every member at once (kill -9 of all three, a cluster stop), whichever order they come back
+in, and the freshest store wins even when a stale member starts first."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pika
+import pika.exceptions
+import pytest
+from brokerclients import connect
+
+from cpgbroker.dev.brokers import BrokerSet
+
+pytestmark = pytest.mark.integration
+
+PERSISTENT = pika.BasicProperties(delivery_mode=2)
+
+
+def _declare(ch: Any, queues: list[str]) -> None:
+    ch.exchange_declare("dur.x", "direct", durable=True)
+    ch.exchange_declare("tmp.x", "direct", durable=False)
+    for q in queues:
+        ch.queue_declare(q, durable=True)
+        ch.queue_bind(q, "dur.x", q)
+    ch.queue_declare("tmp.q", durable=False)
+    ch.queue_bind("tmp.q", "dur.x", queues[0])
+
+
+def _publish_confirmed(bs: BrokerSet, node: int, queue: str, n: int, tag: str) -> list[bytes]:
+    conn = connect(bs, node)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    sent = []
+    for i in range(n):
+        body = f"{tag}-{i}".encode()
+        ch.basic_publish("dur.x", queue, body, PERSISTENT)  # raises unless confirmed
+        sent.append(body)
+    conn.close()
+    return sent
+
+
+def _get_all(bs: BrokerSet, node: int, queue: str) -> list[tuple[bytes, bool]]:
+    conn = connect(bs, node)
+    ch = conn.channel()
+    out = []
+    while True:
+        m, _p, body = ch.basic_get(queue, auto_ack=True)
+        if m is None:
+            break
+        out.append((body, bool(m.redelivered)))
+    conn.close()
+    return out
+
+
+def _restart(bs: BrokerSet, order: list[int], gap: float = 0.0) -> None:
+    for n in order:
+        bs.start(n)
+        time.sleep(gap)
+    bs.wait_ready(order, timeout=90)
+
+
+def _kill_all(bs: BrokerSet) -> None:
+    for n in (1, 2, 3):
+        bs.kill(n)
+
+
+class _Publisher(threading.Thread):
+    """Publishes persistent messages with confirms until stopped or cut off; remembers which
+    ones the cluster confirmed."""
+
+    def __init__(self, bs: BrokerSet, node: int, queue: str, tx: bool = False) -> None:
+        super().__init__(daemon=True)
+        self.bs, self.node, self.queue, self.tx = bs, node, queue, tx
+        self.confirmed: list[bytes] = []
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            conn = connect(self.bs, self.node)
+            ch = conn.channel()
+            if self.tx:
+                ch.tx_select()
+            else:
+                ch.confirm_delivery()
+            i = 0
+            while not self.stop.is_set():
+                batch = [f"{self.queue}-{self.node}-{i + k}".encode() for k in range(5)]
+                i += 5
+                if self.tx:
+                    for body in batch:
+                        ch.basic_publish("dur.x", self.queue, body, PERSISTENT)
+                    ch.tx_commit()
+                    self.confirmed += batch
+                else:
+                    for body in batch:
+                        ch.basic_publish("dur.x", self.queue, body, PERSISTENT)
+                        self.confirmed.append(body)
+        except (pika.exceptions.AMQPError, OSError) as e:
+            self.error = e  # cut off by the kill: what was confirmed before counts
+
+
+class _Consumer(threading.Thread):
+    """Consumes and acks; remembers what it acked (never to be delivered again)."""
+
+    def __init__(self, bs: BrokerSet, node: int, queue: str) -> None:
+        super().__init__(daemon=True)
+        self.bs, self.node, self.queue = bs, node, queue
+        self.acked: list[bytes] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        try:
+            conn = connect(self.bs, self.node)
+            ch = conn.channel()
+            ch.basic_qos(prefetch_count=20)
+            for m, _p, body in ch.consume(self.queue, inactivity_timeout=0.05):
+                if self.stop.is_set():
+                    break
+                if m is None:
+                    continue
+                ch.basic_ack(m.delivery_tag)
+                # Counted once the ack left: a kill may still lose it (then the message comes
+                # back, which at-least-once allows); an ack the broker applied never does.
+                self.acked.append(body)
+        except (pika.exceptions.AMQPError, OSError):
+            pass
+
+
+def _run_load_and_kill(
+    bs: BrokerSet, queues: list[str], seconds: float
+) -> tuple[dict[str, list[bytes]], dict[str, list[bytes]]]:
+    pubs = [
+        _Publisher(bs, 1, queues[0]),
+        _Publisher(bs, 2, queues[1]),
+        _Publisher(bs, 3, queues[2], tx=True),
+    ]
+    cons = [_Consumer(bs, 2, queues[0]), _Consumer(bs, 3, queues[1])]
+    for t in [*pubs, *cons]:
+        t.start()
+    time.sleep(seconds)
+    _kill_all(bs)
+    for t in [*pubs, *cons]:
+        t.stop.set()
+        t.join(15)
+    confirmed: dict[str, list[bytes]] = {q: [] for q in queues}
+    for p in pubs:
+        confirmed[p.queue] += p.confirmed
+    acked: dict[str, list[bytes]] = {q: [] for q in queues}
+    for c in cons:
+        acked[c.queue] += c.acked
+    return confirmed, acked
+
+
+def _check_after_recovery(
+    bs: BrokerSet,
+    queues: list[str],
+    confirmed: dict[str, list[bytes]],
+    acked: dict[str, list[bytes]],
+) -> None:
+    digest = bs.converged([1, 2, 3], timeout=30)
+    assert digest
+    for q in queues:
+        got = [b for b, _r in _get_all(bs, 1 + queues.index(q) % 3, q)]
+        # Every confirmed message is there unless it was acked before the kill.
+        missing = set(confirmed[q]) - set(got) - set(acked[q])
+        assert not missing, (
+            f"{q}: {len(missing)} confirmed messages lost, e.g. {sorted(missing)[:3]}"
+        )
+    assert sum(len(v) for v in confirmed.values()) > 100
+
+
+@pytest.fixture
+def stored(broker_set: Callable[..., BrokerSet]) -> BrokerSet:
+    return broker_set(store=True)
+
+
+def test_confirmed_persistent_messages_survive_kill_9_of_every_member(stored: BrokerSet) -> None:
+    bs = stored
+    queues = ["s.q1", "s.q2", "s.q3"]
+    c = connect(bs, 1)
+    _declare(c.channel(), queues)
+    c.close()
+    confirmed, acked = _run_load_and_kill(bs, queues, seconds=4)
+    _restart(bs, [3, 1, 2])
+    _check_after_recovery(bs, queues, confirmed, acked)
+    # What a restart drops is gone, everywhere alike; the durable topology is back.
+    conn = connect(bs, 2)
+    ch = conn.channel()
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+        ch.queue_declare("tmp.q", passive=True)
+    assert e.value.reply_code == 404
+    ch = conn.channel()
+    ch.exchange_declare("dur.x", "direct", durable=True, passive=True)
+    for n in (1, 2, 3):
+        s = bs.status(n)
+        assert s is not None and s["store"]["durable_seq"] > 0
+
+
+def test_a_cluster_stop_and_start_keeps_queues_exchanges_and_messages(stored: BrokerSet) -> None:
+    bs = stored
+    c = connect(bs, 1)
+    _declare(c.channel(), ["s.stop"])
+    c.close()
+    sent = _publish_confirmed(bs, 2, "s.stop", 300, "stop")
+    code, answer = bs.control(1, "/stop", {})
+    assert code == 202, answer
+    for n in (1, 2, 3):
+        bs.procs[n].wait(30)
+    for n in (1, 2, 3):
+        s = (bs.store_path(n) / "meta.json").read_text()
+        assert '"state": "clean"' in s
+    _restart(bs, [2, 3, 1])
+    assert [b for b, _r in _get_all(bs, 3, "s.stop")] == sent
+    bs.converged([1, 2, 3])
+
+
+def test_the_freshest_store_wins_even_when_a_stale_member_starts_first(stored: BrokerSet) -> None:
+    bs = stored
+    c = connect(bs, 1)
+    _declare(c.channel(), ["s.fresh"])
+    c.close()
+    early = _publish_confirmed(bs, 1, "s.fresh", 50, "early")
+    bs.kill(3)  # member 3's store stops here: stale from now on
+    late = _publish_confirmed(bs, 1, "s.fresh", 50, "late")
+    _kill_all(bs)
+    _restart(bs, [3, 2, 1], gap=1.0)  # the stale member first
+    assert [b for b, _r in _get_all(bs, 3, "s.fresh")] == early + late
+    bs.converged([1, 2, 3])
+    assert "replaced" in bs.tail(3, 200) or "takes a state update" in bs.tail(3, 200)
+
+
+def test_a_member_with_its_store_deleted_is_updated_from_the_others(stored: BrokerSet) -> None:
+    bs = stored
+    c = connect(bs, 1)
+    _declare(c.channel(), ["s.del"])
+    c.close()
+    sent = _publish_confirmed(bs, 2, "s.del", 100, "del")
+    _kill_all(bs)
+    shutil.rmtree(bs.store_path(2))
+    _restart(bs, [2, 1, 3])
+    assert [b for b, _r in _get_all(bs, 2, "s.del")] == sent
+    bs.converged([1, 2, 3])
+
+
+def test_the_last_member_standing_restarts_alone_with_force_boot(stored: BrokerSet) -> None:
+    bs = stored
+    c = connect(bs, 1)
+    _declare(c.channel(), ["s.last"])
+    c.close()
+    first = _publish_confirmed(bs, 1, "s.last", 40, "first")
+    bs.kill(2)
+    bs.kill(3)
+    # Member 1 serves alone (the corosync nodes keep quorum) and confirms more.
+    last = _publish_confirmed(bs, 1, "s.last", 40, "last")
+    bs.kill(1)
+    bs.start(1, force_boot=True)
+    bs.wait_ready([1], timeout=60)
+    assert "FORCED BOOT" in bs.tail(1, 200)
+    s = bs.status(1)
+    assert s is not None and s["store"]["epoch"] == 2
+    # The stale members come back and take the state of the forced boot.
+    for n in (2, 3):
+        bs.start(n)
+    bs.wait_ready([2, 3], timeout=60)
+    assert [b for b, _r in _get_all(bs, 2, "s.last")] == first + last
+    bs.converged([1, 2, 3])
+
+
+@pytest.fixture
+def small_disk(cluster: Any) -> Any:
+    """``small_disk(bs, node, mib)``: put ``node``'s store on a tmpfs of ``mib`` MiB (before
+    the broker starts); unmounted after the test."""
+    mounted: list[Path] = []
+
+    def mount(bs: BrokerSet, node: int, mib: int) -> Path:
+        path = bs.store_path(node)
+        path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(path)], check=True
+        )
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _own_set(cluster: Any, **options: Any) -> BrokerSet:
+    group = f"t{uuid.uuid4().hex[:10]}"
+    return BrokerSet(cluster, group=group, name=f"broker-{group}", store=True, **options)
+
+
+def test_a_member_low_on_disk_blocks_publishers_everywhere_until_space_is_back(
+    cluster: Any, small_disk: Any
+) -> None:
+    bs = _own_set(cluster, store_options="free_disk_limit_mib = 32")
+    small_disk(bs, 2, 64)
+    try:
+        bs.start_all(timeout=60)
+        conn = connect(bs, 1)
+        blocked: list[str] = []
+        conn.add_on_connection_blocked_callback(lambda _c, m: blocked.append(m.method.reason))
+        ch = conn.channel()
+        _declare(ch, ["s.disk"])
+        ch.basic_publish("dur.x", "s.disk", b"before", PERSISTENT)
+        filler = bs.store_path(2) / "filler"
+        subprocess.run(
+            ["dd", "if=/dev/zero", f"of={filler}", "bs=1M", "count=40"],
+            check=True,
+            capture_output=True,
+        )
+        deadline = time.monotonic() + 15
+        while not blocked:
+            assert time.monotonic() < deadline, "no connection.blocked after the disk filled"
+            conn.process_data_events(0.1)
+        assert blocked == ["low on disk"]
+        for n in (1, 2, 3):  # at the same event everywhere: every replica says so
+            s = bs.status(n)
+            assert s is not None and s["publishers_blocked"] and len(s["disk_alarms"]) == 1
+        filler.unlink()
+        deadline = time.monotonic() + 15
+        while any((bs.status(n) or {}).get("publishers_blocked") for n in (1, 2, 3)):
+            assert time.monotonic() < deadline, "publishers still blocked after space came back"
+            conn.process_data_events(0.1)
+        ch.confirm_delivery()
+        ch.basic_publish("dur.x", "s.disk", b"after", PERSISTENT)
+        conn.close()
+        assert [b for b, _r in _get_all(bs, 3, "s.disk")] == [b"before", b"after"]
+    finally:
+        bs.stop_all()
+        print(f"--- broker 2 log\n{bs.tail(2, 40)}")
+
+
+def test_a_member_whose_disk_fills_leaves_and_nothing_confirmed_is_lost(
+    cluster: Any, small_disk: Any
+) -> None:
+    bs = _own_set(cluster, store_options="free_disk_limit_mib = 0")
+    small_disk(bs, 2, 6)
+    try:
+        bs.start_all(timeout=60)
+        c = connect(bs, 1)
+        _declare(c.channel(), ["s.full1", "s.full2"])
+        c.close()
+        confirmed: dict[str, list[bytes]] = {"s.full1": [], "s.full2": []}
+        body = b"x" * 1000
+
+        def publish(node: int, queue: str, n: int) -> None:
+            nodes = [node, 3]  # fail over to member 3
+            i = 0
+            while i < n:
+                try:
+                    conn = connect(bs, nodes[0])
+                    ch = conn.channel()
+                    ch.confirm_delivery()
+                    while i < n:
+                        tag = f"{queue}-{i}".encode()
+                        ch.basic_publish("dur.x", queue, tag + body, PERSISTENT)
+                        confirmed[queue].append(tag)
+                        i += 1
+                    conn.close()
+                except (pika.exceptions.AMQPError, OSError):
+                    nodes = nodes[1:] or [3]
+                    time.sleep(0.5)
+
+        t1 = threading.Thread(target=publish, args=(1, "s.full1", 5000))
+        t2 = threading.Thread(target=publish, args=(2, "s.full2", 5000))
+        t1.start()
+        t2.start()
+        t1.join(120)
+        t2.join(120)
+        assert bs.procs[2].wait(30) != 0  # member 2 left the cluster
+        assert "store-write: ENOSPC" in bs.tail(2, 300)
+        for q, sent in confirmed.items():
+            got = {b.split(b"x", 1)[0] for b, _r in _get_all(bs, 3, q)}
+            missing = [t for t in sent if t not in got]
+            assert not missing, f"{q}: {len(missing)} confirmed messages lost"
+        assert len(confirmed["s.full1"]) == 5000
+        bs.converged([1, 3])
+    finally:
+        bs.stop_all()
+        print(f"--- broker 2 log\n{bs.tail(2, 40)}")
