@@ -564,7 +564,7 @@ class Connections:
         conn.close_deadline = None
         self._send_method(conn, 0, commands.Connection.OpenOk())
         if self._mark.blocked and conn.capabilities.get("connection.blocked"):
-            self._send_method(conn, 0, commands.Connection.Blocked(reason="low on memory"))
+            self._send_method(conn, 0, commands.Connection.Blocked(reason=self._mark.reason))
             conn.blocked_sent = True
 
     # ------------------------------------------------------------------ closing

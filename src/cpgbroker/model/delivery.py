@@ -70,7 +70,9 @@ R = ReplyCode
 
 
 def fast_decode(decoder: Any, payload: bytes, name: str, method_id: int) -> Any:
-    """Run a hand-written decoder; malformed arguments are 502 SYNTAX_ERROR, as from pamqp."""
+    """Run a hand-written decoder. The decoders answer arguments that do not decode with
+    RabbitMQ's 501 themselves (wire/fastpath.py); a ValueError or IndexError still escaping
+    one is refused with 502 rather than reaching the error-check round."""
     try:
         return decoder(payload)
     except (ValueError, IndexError) as e:
