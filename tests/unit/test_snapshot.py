@@ -37,6 +37,7 @@ from cpgbroker.model.entities import (
 from cpgbroker.model.exchange import Binding, Exchange
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output
+from cpgbroker.model.queueflow import QueueFlow
 from cpgbroker.model.topology import Topology
 from cpgbroker.model.transactions import Transactions
 from cpgbroker.wire.fastpath import HeaderInfo
@@ -75,6 +76,7 @@ COMPONENTS = (
     Transactions,
     Channels,
     Connections,
+    QueueFlow,
 )
 # Component attributes that are transient between events or replica-local statistics
 # (configuration is compared: equal by construction).

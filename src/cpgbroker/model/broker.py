@@ -74,6 +74,7 @@ from cpgbroker.model.events import (
 )
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output
+from cpgbroker.model.queueflow import QueueFlow
 from cpgbroker.model.topology import Topology, VHost
 from cpgbroker.model.transactions import Transactions
 
@@ -98,6 +99,7 @@ class Broker:
             cfg.vhosts, cfg.member_urls, self.clock, self.out, self.mark, self.connections
         )
         self.confirms = Confirms(self.out)
+        self.flow = QueueFlow(cfg.queue_flow_messages, self.out, self.mark)
         self.delivery = Delivery(
             cfg,
             self.clock,
@@ -107,6 +109,7 @@ class Broker:
             self.topology.vhosts,
             self.topology.ttl_queues,
             self.connections,
+            self.flow,
         )
         self.topology.on_failover_bind = self.delivery.publish_members
         self.consumers = Consumers(self.clock, self.out, self.mark, self.topology, self.delivery)
@@ -132,6 +135,7 @@ class Broker:
             self.consumers,
             self.confirms,
             self.channels,
+            self.flow,
         )
         # Bound once: apply routes every event through these.
         self._on_data = self.conns.on_data
@@ -212,6 +216,8 @@ class Broker:
         self.conns.on_tick()
         self.delivery.expire_ttl()
         self.topology.expire_unused()
+        if self.flow.queues:
+            self.flow.on_tick()
 
     # ------------------------------------------------------------------ public state
 

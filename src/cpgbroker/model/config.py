@@ -45,7 +45,8 @@ class BrokerConfig:
     # µs each whatever exists, so these bound memory and state-transfer time, not per-command
     # time). RabbitMQ's max-queues and max-connections (406 / 530 with its texts), and
     # cpgbroker's own caps on exchanges and bindings, which RabbitMQ leaves unlimited:
-    # - connections: every tick (tick_ms) walks the connections for heartbeats, ~0.1 µs each;
+    # - connections: a few KiB of model state each, and a tick looks at the ones whose
+    #   heartbeat or timeout is due;
     vhost_max_connections: int | None = 10_000
     # - queues, exchanges: ~1-2 KiB of model state each plus their snapshot part; 50,000 of
     #   each transfer to a newcomer in a few seconds;
@@ -53,6 +54,10 @@ class BrokerConfig:
     vhost_max_exchanges: int | None = 50_000
     # - bindings: a few hundred bytes each (binding, queue record, indexes).
     vhost_max_bindings: int | None = 200_000
+    # Queue flow (model/queueflow.py): a publish that leaves a queue with consumers holding
+    # more than this many ready messages pauses the publisher until the queue is down to half;
+    # 0: off (publishers then slow down only at the memory mark).
+    queue_flow_messages: int = 1000
     product: str = "cpgbroker"
     version: str = "0.1.0"
     cluster_name: str = ""

@@ -59,6 +59,7 @@ from cpgbroker.model.events import ClientConnected
 from cpgbroker.model.limits import check_connection_open
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output
+from cpgbroker.model.queueflow import QueueFlow
 from cpgbroker.model.topology import Topology
 from cpgbroker.wire.fastpath import BASIC_ACK, BASIC_PUBLISH, method_index
 from cpgbroker.wire.framer import (
@@ -230,6 +231,7 @@ class Connections:
         "_config",
         "_content_body",
         "_content_header",
+        "_flow",
         "_flush_confirms",
         "_mark",
         "_out",
@@ -252,8 +254,10 @@ class Connections:
         consumers: Consumers,
         confirms: Confirms,
         channels: Channels,
+        flow: QueueFlow,
     ) -> None:
         self._config = config
+        self._flow = flow
         self._users = {u.name: u for u in config.users}
         self.connections = connections
         self._clock = clock
@@ -621,6 +625,8 @@ class Connections:
             conn.state = CLOSED
         del self.connections[conn.id]
         self.deadlines.remove(conn.id)
+        if conn.flow_pauses:
+            self._flow.forget(conn)
         self._topology.limits.connection_gone(conn)
         if notify:
             self._out.close_socket(conn, reason)

@@ -54,6 +54,7 @@ from cpgbroker.model.events import WantOutput
 from cpgbroker.model.exchange import Exchange
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output, basic_return
+from cpgbroker.model.queueflow import QueueFlow
 from cpgbroker.model.topology import FAILOVER_EXCHANGE, VHost
 from cpgbroker.model.ttlindex import TtlQueues
 from cpgbroker.model.validate import dead_letter_problem
@@ -94,6 +95,9 @@ class Delivery:
         "_connections",
         "_dirty",
         "_emit",
+        "_flow",
+        "_flow_high",
+        "_flow_low",
         "_mark",
         "_max_message_size",
         "_out",
@@ -113,8 +117,12 @@ class Delivery:
         vhosts: dict[str, VHost],
         ttl_queues: TtlQueues,
         connections: dict[int, Connection],
+        flow: QueueFlow,
     ) -> None:
         self.msg_seq = 0
+        self._flow = flow
+        self._flow_high = flow.high or 2**62
+        self._flow_low = flow.low
         self._max_message_size = config.max_message_size
         self._clock = clock
         self._out = out
@@ -287,10 +295,13 @@ class Delivery:
                 self._send_return(conn, ch, msg, R.NO_ROUTE, "NO_ROUTE")
         else:
             durable = False
+            flow_high = self._flow_high
             for q in queues:
                 if self.enqueue(q, Entry(msg, False, None)):
                     self.dispatch(q)
                     durable = durable or q.durable
+                    if len(q.messages) > flow_high and q.consumers:
+                        self._flow.published(conn, q)
                 else:
                     refused = True
             if durable and msg.delivery_mode == 2:
@@ -605,6 +616,8 @@ class Delivery:
             self._deliver(chosen, q, e)
         if popped and q.ttl_order >= 0:
             self._ttl_queues.note(q)
+        if q.flow_paused and len(msgs) <= self._flow_low:
+            self._flow.check(q)
 
     def _deliver(self, c: Consumer, q: Queue, e: Entry) -> None:
         ch = c.channel

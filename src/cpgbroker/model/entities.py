@@ -400,6 +400,8 @@ class Queue:
     deleted: bool = False
     # Every binding of the queue, for cleanup on delete.
     bindings: IdList[QueueBinding] = attrs.Factory(IdList)
+    # Publishers this queue holds back until it drains (model/queueflow.py): id -> connection.
+    flow_paused: dict[int, Connection] = attrs.Factory(dict)
     # Derived (``ttlindex.TtlQueues``, rebuilt on restore): the queue's join number in
     # ``ttl_queues`` (-1 when not in it) and the due time of its live due-heap entry.
     ttl_order: int = -1
@@ -481,3 +483,6 @@ class Connection:
     confirm_dirty: list[Channel] = attrs.Factory(list)
     # ``outbuf`` holds a confirm or tx.commit-ok (the flushed Send says so). Transient like it.
     confirm_out: bool = False
+    # How many queues hold this connection's publishing back (model/queueflow.py; derived:
+    # rebuilt on restore from ``Queue.flow_paused``).
+    flow_pauses: int = 0

@@ -105,5 +105,6 @@ class MemoryMark:
                 elif not blocked and conn.blocked_sent:
                     out.send_method(conn, 0, commands.Connection.Unblocked())
                     conn.blocked_sent = False
-            if conn.published:
+            # A connection a queue holds back (model/queueflow.py) stays paused.
+            if conn.published and (blocked or not conn.flow_pauses):
                 out.effect(Throttle(conn.id, blocked))

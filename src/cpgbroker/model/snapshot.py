@@ -64,7 +64,7 @@ SNAPSHOT_FORMAT = 2
 
 # Attributes deliberately left out of snapshots (see module docstring).
 NOT_REPLICATED = {
-    "Connection": {"emit", "outbuf", "confirm_dirty", "confirm_out"},
+    "Connection": {"emit", "outbuf", "confirm_dirty", "confirm_out", "flow_pauses"},
     # Derived indexes, rebuilt by ``Exchange.bind`` / ``Topology.restore`` on restore.
     "Exchange": {
         "cache",
@@ -83,6 +83,7 @@ NOT_REPLICATED = {
     # Derived from ``ttl_queues`` (``TtlQueues.rebuild`` on restore).
     "Queue": {"ttl_order", "ttl_due"},
     "Connections": {"deadlines"},
+    "QueueFlow": {"queues"},
     "Consumer": {"qseq"},
 }
 
@@ -347,7 +348,7 @@ def _exchange(ex: Exchange, qref: Any) -> dict[str, Any]:
 
 
 def _queue(q: Queue) -> dict[str, Any]:
-    return {
+    d = {
         "name": q.name,
         "vhost": q.vhost,
         "durable": q.durable,
@@ -372,6 +373,10 @@ def _queue(q: Queue) -> dict[str, Any]:
         "deleted": q.deleted,
         "bindings": [[bd.exchange, bd.routing_key, bd.arguments] for bd in q.bindings],
     }
+    if q.flow_paused:
+        # Only when set: states without queue flow snapshot (and digest) as before it existed.
+        d["flow_paused"] = list(q.flow_paused)
+    return d
 
 
 def _connection(c: Connection, qref: Any, entry: Any) -> dict[str, Any]:
@@ -509,6 +514,8 @@ class Restorer:
         self.msgs: dict[int, Message] = {}
         self.consumers: dict[tuple[int, int, str], Consumer] = {}
         self.tail: dict[str, Any] | None = None
+        # Queue index -> ids of the connections it holds back (resolved once they exist).
+        self.flow_paused: dict[int, list[int]] = {}
         self.parts = 0
         self.messages = 0  # ready and unacked entries restored so far (progress)
 
@@ -552,6 +559,10 @@ class Restorer:
         for q, keys in zip(queues, self.tail["queue_consumers"], strict=True):
             q.consumers = [self.consumers[(k[0], k[1], k[2])] for k in keys]
             q.ranked_consumers = sum(1 for c in q.consumers if c.priority)
+        for i, ids in self.flow_paused.items():
+            # Connections leave every queue's list when they close: all are there.
+            queues[i].flow_paused = {c: b.connections[c] for c in ids}
+        b.flow.restore(queues)
         b.topology.restore(
             self.vhosts,
             tuple(self.head["member_urls"]),
@@ -614,6 +625,8 @@ class Restorer:
                 messages=ready_messages(qd["arguments"]),
             )
         )
+        if "flow_paused" in qd:
+            self.flow_paused[i] = qd["flow_paused"]
 
     def _vhost(self, vd: dict[str, Any]) -> None:
         queues = self.queues

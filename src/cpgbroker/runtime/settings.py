@@ -295,6 +295,7 @@ _LIMIT_KEYS = (
     "vhost_max_queues",
     "vhost_max_exchanges",
     "vhost_max_bindings",
+    "queue_flow_messages",
 )
 # Limits where -1 means none (RabbitMQ's convention; TOML has no null).
 _COUNT_LIMITS = (
