@@ -69,9 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "start":
         from cpgbroker.runtime import main as runtime_main
 
-        return runtime_main.main(
-            config_path=ns.config, listen=ns.listen, force_boot=ns.force_boot
-        )
+        return runtime_main.main(config_path=ns.config, listen=ns.listen, force_boot=ns.force_boot)
     if ns.command == "status":
         return _status(ns.url, ns.json)
     if ns.command in ("cluster", "member"):
@@ -176,12 +174,39 @@ def _status(url: str, as_json: bool) -> int:
         if data.get("stopping"):
             st = data["stopping"]
             print(f"stopping: {st['scope']} stop at event {st['seq']}")
+    _print_store(data.get("store"))
+    if data.get("publishers_blocked"):
+        alarms = data.get("disk_alarms") or []
+        why = f"disk alarm of member(s) {alarms}" if alarms else "memory mark"
+        print(f"PUBLISHERS BLOCKED: {why}")
     conns = data.get("connections", {})
     print(f"connections: {conns.get('local', 0)} local, {conns.get('shadow', 0)} shadow")
     for name, q in sorted(data.get("queues", {}).items()):
         counts = f"{q['ready']} ready, {q['unacked']} unacked, {q['consumers']} consumers"
         print(f"  queue {name}: {counts}")
     return 0
+
+
+def _print_store(st: dict[str, object] | None) -> None:
+    if not st:
+        return
+    rec = st.get("recovery")
+    assert rec is None or isinstance(rec, dict)
+    if rec and rec.get("phase") in ("loading-snapshot", "replaying"):
+        left = rec.get("seconds_left")
+        print(
+            f"store: RECOVERING ({rec['phase']}) {rec['records_replayed']} records, "
+            f"{int(rec['bytes_replayed']) / 2**20:.1f} of {int(rec['journal_bytes']) / 2**20:.1f} "
+            f"MiB replayed{'' if left is None else f', about {left} s left'}"
+        )
+        return
+    failed = f"  FAILED: {st['failed']}" if st.get("failed") else ""
+    print(
+        f"store: {st.get('dir')}  fsync {st.get('fsync')}  epoch {st.get('epoch')}  "
+        f"durable event {st.get('durable_seq')}  journal "
+        f"{int(str(st.get('journal_bytes') or 0)) / 2**20:.1f} MiB  "
+        f"snapshots {st.get('snapshots')}{failed}"
+    )
 
 
 def _print_error_checks(ec: dict[str, object]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -204,6 +205,13 @@ def test_confirmed_persistent_messages_survive_kill_9_of_every_member(stored: Br
     for n in (1, 2, 3):
         s = bs.status(n)
         assert s is not None and s["store"]["durable_seq"] > 0
+    shown = subprocess.run(
+        [sys.executable, "-m", "cpgbroker", "status", "--url", bs.admin(2)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "store: " in shown and "fsync always" in shown and "durable event" in shown
 
 
 def test_a_cluster_stop_and_start_keeps_queues_exchanges_and_messages(stored: BrokerSet) -> None:
@@ -296,97 +304,102 @@ def small_disk(cluster: Any) -> Any:
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-def _own_set(cluster: Any, **options: Any) -> BrokerSet:
-    group = f"t{uuid.uuid4().hex[:10]}"
-    return BrokerSet(cluster, group=group, name=f"broker-{group}", store=True, **options)
+@pytest.fixture
+def own_set(cluster: Any) -> Any:
+    """``own_set(**options)``: a 3-member set with stores, not started (a test prepares its
+    disks first); stopped after the test, member 2's log shown if it failed."""
+    made: list[BrokerSet] = []
+
+    def make(**options: Any) -> BrokerSet:
+        group = f"t{uuid.uuid4().hex[:10]}"
+        bs = BrokerSet(cluster, group=group, name=f"broker-{group}", store=True, **options)
+        made.append(bs)
+        return bs
+
+    yield make
+    for bs in made:
+        bs.stop_all()
+        print(f"--- broker 2 log\n{bs.tail(2, 40)}")
 
 
 def test_a_member_low_on_disk_blocks_publishers_everywhere_until_space_is_back(
-    cluster: Any, small_disk: Any
+    own_set: Any, small_disk: Any
 ) -> None:
-    bs = _own_set(cluster, store_options="free_disk_limit_mib = 32")
+    bs = own_set(store_options="free_disk_limit_mib = 32")
     small_disk(bs, 2, 64)
-    try:
-        bs.start_all(timeout=60)
-        conn = connect(bs, 1)
-        blocked: list[str] = []
-        conn.add_on_connection_blocked_callback(lambda _c, m: blocked.append(m.method.reason))
-        ch = conn.channel()
-        _declare(ch, ["s.disk"])
-        ch.basic_publish("dur.x", "s.disk", b"before", PERSISTENT)
-        filler = bs.store_path(2) / "filler"
-        subprocess.run(
-            ["dd", "if=/dev/zero", f"of={filler}", "bs=1M", "count=40"],
-            check=True,
-            capture_output=True,
-        )
-        deadline = time.monotonic() + 15
-        while not blocked:
-            assert time.monotonic() < deadline, "no connection.blocked after the disk filled"
-            conn.process_data_events(0.1)
-        assert blocked == ["low on disk"]
-        for n in (1, 2, 3):  # at the same event everywhere: every replica says so
-            s = bs.status(n)
-            assert s is not None and s["publishers_blocked"] and len(s["disk_alarms"]) == 1
-        filler.unlink()
-        deadline = time.monotonic() + 15
-        while any((bs.status(n) or {}).get("publishers_blocked") for n in (1, 2, 3)):
-            assert time.monotonic() < deadline, "publishers still blocked after space came back"
-            conn.process_data_events(0.1)
-        ch.confirm_delivery()
-        ch.basic_publish("dur.x", "s.disk", b"after", PERSISTENT)
-        conn.close()
-        assert [b for b, _r in _get_all(bs, 3, "s.disk")] == [b"before", b"after"]
-    finally:
-        bs.stop_all()
-        print(f"--- broker 2 log\n{bs.tail(2, 40)}")
+    bs.start_all(timeout=60)
+    conn = connect(bs, 1)
+    blocked: list[str] = []
+    conn.add_on_connection_blocked_callback(lambda _c, m: blocked.append(m.method.reason))
+    ch = conn.channel()
+    _declare(ch, ["s.disk"])
+    ch.basic_publish("dur.x", "s.disk", b"before", PERSISTENT)
+    filler = bs.store_path(2) / "filler"
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={filler}", "bs=1M", "count=40"],
+        check=True,
+        capture_output=True,
+    )
+    deadline = time.monotonic() + 15
+    while not blocked:
+        assert time.monotonic() < deadline, "no connection.blocked after the disk filled"
+        conn.process_data_events(0.1)
+    assert blocked == ["low on disk"]
+    for n in (1, 2, 3):  # at the same event everywhere: every replica says so
+        s = bs.status(n)
+        assert s is not None and s["publishers_blocked"] and len(s["disk_alarms"]) == 1
+    filler.unlink()
+    deadline = time.monotonic() + 15
+    while any((bs.status(n) or {}).get("publishers_blocked") for n in (1, 2, 3)):
+        assert time.monotonic() < deadline, "publishers still blocked after space came back"
+        conn.process_data_events(0.1)
+    ch.confirm_delivery()
+    ch.basic_publish("dur.x", "s.disk", b"after", PERSISTENT)
+    conn.close()
+    assert [b for b, _r in _get_all(bs, 3, "s.disk")] == [b"before", b"after"]
 
 
 def test_a_member_whose_disk_fills_leaves_and_nothing_confirmed_is_lost(
-    cluster: Any, small_disk: Any
+    own_set: Any, small_disk: Any
 ) -> None:
-    bs = _own_set(cluster, store_options="free_disk_limit_mib = 0")
+    bs = own_set(store_options="free_disk_limit_mib = 0")
     small_disk(bs, 2, 6)
-    try:
-        bs.start_all(timeout=60)
-        c = connect(bs, 1)
-        _declare(c.channel(), ["s.full1", "s.full2"])
-        c.close()
-        confirmed: dict[str, list[bytes]] = {"s.full1": [], "s.full2": []}
-        body = b"x" * 1000
+    bs.start_all(timeout=60)
+    c = connect(bs, 1)
+    _declare(c.channel(), ["s.full1", "s.full2"])
+    c.close()
+    confirmed: dict[str, list[bytes]] = {"s.full1": [], "s.full2": []}
+    body = b"x" * 1000
 
-        def publish(node: int, queue: str, n: int) -> None:
-            nodes = [node, 3]  # fail over to member 3
-            i = 0
-            while i < n:
-                try:
-                    conn = connect(bs, nodes[0])
-                    ch = conn.channel()
-                    ch.confirm_delivery()
-                    while i < n:
-                        tag = f"{queue}-{i}".encode()
-                        ch.basic_publish("dur.x", queue, tag + body, PERSISTENT)
-                        confirmed[queue].append(tag)
-                        i += 1
-                    conn.close()
-                except (pika.exceptions.AMQPError, OSError):
-                    nodes = nodes[1:] or [3]
-                    time.sleep(0.5)
+    def publish(node: int, queue: str, n: int) -> None:
+        nodes = [node, 3]  # fail over to member 3
+        i = 0
+        while i < n:
+            try:
+                conn = connect(bs, nodes[0])
+                ch = conn.channel()
+                ch.confirm_delivery()
+                while i < n:
+                    tag = f"{queue}-{i}".encode()
+                    ch.basic_publish("dur.x", queue, tag + body, PERSISTENT)
+                    confirmed[queue].append(tag)
+                    i += 1
+                conn.close()
+            except (pika.exceptions.AMQPError, OSError):
+                nodes = nodes[1:] or [3]
+                time.sleep(0.5)
 
-        t1 = threading.Thread(target=publish, args=(1, "s.full1", 5000))
-        t2 = threading.Thread(target=publish, args=(2, "s.full2", 5000))
-        t1.start()
-        t2.start()
-        t1.join(120)
-        t2.join(120)
-        assert bs.procs[2].wait(30) != 0  # member 2 left the cluster
-        assert "store-write: ENOSPC" in bs.tail(2, 300)
-        for q, sent in confirmed.items():
-            got = {b.split(b"x", 1)[0] for b, _r in _get_all(bs, 3, q)}
-            missing = [t for t in sent if t not in got]
-            assert not missing, f"{q}: {len(missing)} confirmed messages lost"
-        assert len(confirmed["s.full1"]) == 5000
-        bs.converged([1, 3])
-    finally:
-        bs.stop_all()
-        print(f"--- broker 2 log\n{bs.tail(2, 40)}")
+    t1 = threading.Thread(target=publish, args=(1, "s.full1", 5000))
+    t2 = threading.Thread(target=publish, args=(2, "s.full2", 5000))
+    t1.start()
+    t2.start()
+    t1.join(120)
+    t2.join(120)
+    assert bs.procs[2].wait(30) != 0  # member 2 left the cluster
+    assert "store-write: ENOSPC" in bs.tail(2, 300)
+    for q, sent in confirmed.items():
+        got = {b.split(b"x", 1)[0] for b, _r in _get_all(bs, 3, q)}
+        missing = [t for t in sent if t not in got]
+        assert not missing, f"{q}: {len(missing)} confirmed messages lost"
+    assert len(confirmed["s.full1"]) == 5000
+    bs.converged([1, 3])
