@@ -232,3 +232,26 @@ def test_replacing_state_on_disk_means_nothing_to_recover() -> None:
     disk.makedirs(DIR)
     meta.save(disk, DIR, meta.Meta("g", 5, 1, 0, None, meta.REPLACING))
     assert _store(disk).recover(Broker().config) is None
+
+
+def test_a_store_whose_replacement_never_finished_starts_afresh() -> None:
+    events = generate(12, steps=100)
+    disk = SimDisk()
+    store = _store(disk)
+    _open(store)
+    b = Broker()
+    _feed(store, b, events[:60])
+    assert store.syncer is not None
+    store.syncer.barrier()
+    # The member crashed while a state update replaced its store.
+    meta.save(disk, DIR, meta.Meta("g", 5, 1, 0, None, meta.REPLACING))
+    again = _store(disk)
+    assert again.recover(b.config) is None
+    _open(again)  # journals from event 1 again, over nothing
+    fresh = Broker()
+    _feed(again, fresh, events[:10])
+    assert again.syncer is not None
+    again.syncer.barrier()
+    rec = _store(disk).recover(b.config)
+    assert rec is not None and rec.seq == 10
+    assert snapshot.digest(rec.broker) == snapshot.digest(fresh)

@@ -313,6 +313,10 @@ class Store:
         the syncer thread."""
         disk = self.disk
         disk.makedirs(self.dir)
+        if next_seq == 1:
+            # Nothing recovered: whatever files are here (a replacement that never finished,
+            # a crash before the metadata was first written) hold nothing to keep.
+            self._remove_files()
         self._on_durable = on_durable
         self._synced = next_seq - 1
         self.next_seq = next_seq
@@ -370,10 +374,7 @@ class Store:
             self.syncer.close()
             self.syncer = None
         self.failed = None
-        disk = self.disk
-        for n in disk.listdir(self.dir):
-            if n.startswith(("journal-", "snapshot-")):
-                disk.remove(os.path.join(self.dir, n))
+        self._remove_files()
         self.base_seq = seq
         self.snapshot_name = None
         self._synced = seq
@@ -381,6 +382,12 @@ class Store:
         self.next_seq = seq + 1
         self._start_syncer(seq + 1, self._on_error)
         self.snapshot(broker)
+
+    def _remove_files(self) -> None:
+        disk = self.disk
+        for n in disk.listdir(self.dir):
+            if n.startswith(("journal-", "snapshot-")):
+                disk.remove(os.path.join(self.dir, n))
 
     def snapshot(self, broker: Broker) -> None:
         """Write the model as of now (event ``broker.event_seq``) as the new base."""
