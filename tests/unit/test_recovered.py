@@ -166,3 +166,16 @@ def test_a_disk_alarm_travels_in_snapshots_and_changes_no_digest_without_one() -
     assert snapshot.digest(restored) == snapshot.digest(h.broker) != before
     h.apply(DiskAlarm(9, False))
     assert not h.broker.blocked
+
+
+def test_a_commit_ok_covering_acks_waits_for_the_stores() -> None:
+    h = Harness()
+    c = _setup(h)
+    c.publish(1, "dx", "k", b"a", props=PERSISTENT)
+    c.rpc(1, C.Tx.Select())
+    c.send(1, C.Basic.Consume(queue="dq", consumer_tag="c1"))
+    (m, _body), *_ = c.deliveries()
+    c.send(1, C.Basic.Ack(delivery_tag=m.delivery_tag))
+    h.effects.clear()
+    c.rpc(1, C.Tx.Commit())
+    assert _confirm_levels(h, 1) == [CONFIRM_DURABLE]

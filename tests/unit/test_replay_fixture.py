@@ -51,7 +51,9 @@ def recorded() -> tuple[list[Any], dict[str, Any]]:
 
 def effect_hash(h: Any, eff: Any) -> None:
     if isinstance(eff, EV.Send):
-        h.update(b"S%d:%d:" % (eff.conn, eff.confirm) + eff.data)
+        # Whether it carries a confirm (a bool when the log was recorded; now a level whose
+        # durable kind did not exist then).
+        h.update(b"S%d:%d:" % (eff.conn, bool(eff.confirm)) + eff.data)
     else:
         h.update(repr(eff).encode())
 

@@ -60,6 +60,7 @@ class Transactions:
         ch.tx_ops = []
         vh = self._vhosts[conn.vhost]
         settle = self._consumers.settle
+        settled = False
         for op in ops:
             if isinstance(op, TxPublish):
                 msg = op.msg
@@ -71,8 +72,14 @@ class Transactions:
                 self._delivery.route_and_enqueue(conn, ch, vh, ex, msg, op.mandatory)
             elif isinstance(op, TxAck):
                 settle(ch, op.tag, op.multiple, None, 80)
+                settled = True
             else:
                 settle(ch, op.tag, op.multiple, op.requeue, 120)
+                settled = True
+        if settled:
+            # Committed acks are a promise too: a message they settled must not come back
+            # after every member restarts, so the commit-ok waits for the stores.
+            self._out.persisted(conn)
         self._out.send_method(conn, ch.id, commands.Tx.CommitOk())
         self._out.confirmed(conn)
         self._mark.check()
