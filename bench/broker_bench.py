@@ -192,6 +192,12 @@ def store_rates(
         after[n].get("bytes_written", 0) - before[n].get("bytes_written", 0) for n in (1, 2, 3)
     ]
     return {
+        # What the store holds at the end (snapshot plus journal since it): bounded under a
+        # steady load, because snapshots let older segments go.
+        "journal_mib_since_snapshot_at_end": [
+            round((after[n].get("journal_bytes") or 0) / 2**20, 1) for n in (1, 2, 3)
+        ],
+        "snapshots": [after[n].get("snapshots") for n in (1, 2, 3)],
         "fsyncs_per_s_per_member": [round(f / secs) if secs else None for f in fsyncs],
         "bytes_written_per_body_byte": [
             round(w / (msgs * size), 2) if msgs and size else None for w in written

@@ -403,3 +403,30 @@ def test_a_member_whose_disk_fills_leaves_and_nothing_confirmed_is_lost(
         assert not missing, f"{q}: {len(missing)} confirmed messages lost"
     assert len(confirmed["s.full1"]) == 5000
     bs.converged([1, 3])
+
+
+def test_a_store_corrupted_before_its_tail_is_set_aside_and_its_member_updated(
+    stored: BrokerSet,
+) -> None:
+    bs = stored
+    c = connect(bs, 1)
+    _declare(c.channel(), ["s.corrupt"])
+    c.close()
+    sent = _publish_confirmed(bs, 3, "s.corrupt", 200, "corrupt")
+    code, answer = bs.control(1, "/stop", {})
+    assert code == 202, answer
+    for n in (1, 2, 3):
+        bs.procs[n].wait(30)
+    # Flip a byte in the middle of member 2's journal: valid records follow it, so this is
+    # no torn write but corruption.
+    seg = sorted(bs.store_path(2).glob("journal-*.log"))[0]
+    data = bytearray(seg.read_bytes())
+    at = len(data) // 2
+    data[at] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    _restart(bs, [2, 1, 3])
+    log = bs.tail(2, 300)
+    assert "cannot be trusted" in log and seg.name in log and "offset" in log
+    assert list(bs.store_path(2).parent.glob(f"{bs.store_path(2).name}.discarded-*"))
+    assert [b for b, _r in _get_all(bs, 2, "s.corrupt")] == sent
+    bs.converged([1, 2, 3])
