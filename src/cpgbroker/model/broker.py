@@ -254,6 +254,13 @@ class Broker:
         report (runtime/member.py). Not replicated: only its changes matter."""
         return self.out.shadow_confirms
 
+    @property
+    def shadow_durable_confirms(self) -> int:
+        """Of ``shadow_confirms``, those that wait for every member's store (persistent
+        messages on durable queues): a report of what this member applied alone does not
+        release them, its store's does."""
+        return self.out.shadow_durable_confirms
+
     def restore_counters(
         self,
         *,

@@ -90,7 +90,14 @@ class Output:
     themselves (a method call per delivery is what they save); everything else goes
     through :meth:`emit` and :meth:`send_method`."""
 
-    __slots__ = ("_clock", "_durable", "_effects", "dirty", "shadow_confirms")
+    __slots__ = (
+        "_clock",
+        "_durable",
+        "_effects",
+        "dirty",
+        "shadow_confirms",
+        "shadow_durable_confirms",
+    )
 
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
@@ -99,6 +106,8 @@ class Output:
         self.dirty: list[Connection] = []
         # Confirms and tx.commit-oks produced for shadow connections (see module docstring).
         self.shadow_confirms = 0
+        # Of those, the ones that wait for the stores (see persisted).
+        self.shadow_durable_confirms = 0
         # Connections that published a persistent message to a durable queue in this event:
         # their confirms wait for the stores too (membership tests only; cleared per event).
         self._durable: dict[int, bool] = {}
@@ -126,12 +135,13 @@ class Output:
             conn.confirm_out = True
         else:
             self.shadow_confirms += 1
+            if conn.id in self._durable:
+                self.shadow_durable_confirms += 1
 
     def persisted(self, conn: Connection) -> None:
         """``conn`` published a persistent message that a durable queue took, in this event:
         a confirm or commit-ok it is given now waits for every member's store."""
-        if conn.emit:
-            self._durable[conn.id] = True
+        self._durable[conn.id] = True
 
     def flush_conn(self, conn: Connection) -> None:
         if conn.outbuf:

@@ -164,6 +164,10 @@ class ClusterNode:
         # durable seq last reported: the others' durable confirms wait for our store's report.
         self._shadow_confirm_seq = 0
         self._durable_reported = 0
+        # The model's counts of other members' clients' durable and other confirms when this
+        # member last looked (a report for the others goes only when the kind it serves moved).
+        self._durable_confirms_seen = 0
+        self._transient_confirms_seen = 0
         # Its state must not be offered again when it rejoins (it holds what the serving
         # members do not): merged back on the smaller side, or applied an event the cluster
         # failed while it was catching up.
@@ -407,8 +411,23 @@ class ClusterNode:
                 self._release_stable()
 
     def _report_for_confirms(self) -> None:
-        self.progress.confirms_seen = self.broker.shadow_confirms
-        self._shadow_confirm_seq = self.broker.event_seq
+        broker = self.broker
+        self.progress.confirms_seen = broker.shadow_confirms
+        if self.store is not None:
+            durable = broker.shadow_durable_confirms
+            if durable != self._durable_confirms_seen:
+                self._durable_confirms_seen = durable
+                # Our store's report releases these: on_durable sends it once the store holds
+                # this event (unless it already does).
+                self._shadow_confirm_seq = broker.event_seq
+                if (
+                    broker.shadow_confirms - durable == self._transient_confirms_seen
+                    and self.durable_seq() < broker.event_seq
+                ):
+                    return  # nothing else waits for a report of what we applied
+            self._transient_confirms_seen = broker.shadow_confirms - durable
+        else:
+            self._shadow_confirm_seq = broker.event_seq
         if self.suspended is not None or self.membership.state != READY:
             return
         self.multicast.report_soon(self.io.answer_expected)
