@@ -102,7 +102,15 @@ def run_ours(shared: Path, n: int) -> dict[str, Any]:
     dc = DevCluster(3, prefix=f"recov-{os.getpid() % 100000}", token_ms=3000)
     out: dict[str, Any] = {}
     with dc:
-        bs = BrokerSet(dc, event_log=False, store=True)
+        # The queue holds every message with no consumer: lift the memory mark (default
+        # 512 MiB) above it, as RabbitMQ's (40% of RAM) is.
+        mark = max(2 * n * 1100, 512 * 2**20)
+        bs = BrokerSet(
+            dc,
+            event_log=False,
+            store=True,
+            extra_config=f"\n[limits]\nhigh_watermark_bytes = {mark}\n",
+        )
         bs.start_all()
         urls = [bs.url(i) for i in (1, 2, 3)]
         out["publish"] = publish(shared, urls[0], n, None)

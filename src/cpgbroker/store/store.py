@@ -106,9 +106,11 @@ class RecoveryProgress:
     records: int = 0
     bytes_replayed: int = 0
     started: float = 0.0
+    finished: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        elapsed = time.monotonic() - self.started if self.started else 0.0
+        end = self.finished or time.monotonic()
+        elapsed = end - self.started if self.started else 0.0
         total = self.journal_bytes
         left = None
         if self.phase == "replaying" and self.bytes_replayed and total:
@@ -266,6 +268,7 @@ class Store:
                 f"{broker.event_seq}"
             )
         p.phase = "recovered"
+        p.finished = time.monotonic()
         self.base_seq = m.base_seq
         self.snapshot_name = m.snapshot
         self.journal_bytes = p.journal_bytes
