@@ -80,7 +80,7 @@ def producer(urls: list[str], stats: Stats, rate: float, rec: HistoryRecorder) -
                 # Every attempt is a new message: one the connection lost before its confirm is
                 # published again as the next n on the next member.
                 n += 1
-                rec.published(PRODUCER, n, QUEUE)
+                rec.published(PRODUCER, n, QUEUE, persistent=False, durable=True)
                 try:
                     ch.basic_publish("", QUEUE, encode_body(RUN_ID, 1, n))  # returns on confirm
                 except pika.exceptions.NackError:

@@ -58,6 +58,28 @@ def test_records_carry_client_counter_clock_and_session(tmp_path: Path) -> None:
         rec.published("p", 2, "q")
 
 
+def test_a_publish_says_what_a_whole_cluster_restart_keeps_when_the_client_knows(
+    tmp_path: Path,
+) -> None:
+    """``persistent`` and ``durable`` are recorded when given; a publish that does not say
+    keeps the earlier format (the audit then takes it as one a restart must keep)."""
+    path = tmp_path / "p.history.jsonl"
+    with HistoryRecorder(path, "p") as rec:
+        rec.connected("amqp://h1/")
+        rec.published("p", 1, "q", persistent=True, durable=True)
+        rec.published("p", 2, "q", persistent=False, durable=True)
+        rec.published("p", 3, "tmp", persistent=True, durable=False)
+        rec.published("p", 4, "q")
+    pubs = [r for r in records(path) if r["op"] == "publish"]
+    assert [(r.get("persistent"), r.get("durable")) for r in pubs] == [
+        (True, True),
+        (False, True),
+        (True, False),
+        (None, None),
+    ]
+    assert "persistent" not in pubs[3] and "durable" not in pubs[3]
+
+
 def test_record_numbers_stay_unique_and_ordered_across_threads(tmp_path: Path) -> None:
     path = tmp_path / "t.history.jsonl"
     with HistoryRecorder(path, "t") as rec:

@@ -34,9 +34,12 @@ def summary(verdict: dict[str, Any]) -> str:
             f"{perf.get('delivered')} delivered ({perf.get('deliveries')} deliveries); "
             f"latency p50 {_ms(lat.get('p50'))}, p99 {_ms(lat.get('p99'))}"
         )
+    for r in verdict.get("restarts", []):
+        lines.append(f"  {r['summary']}")
     for gap in perf.get("failover", []):
+        what = gap["action"] if gap["node"] is None else f"{gap['action']} of node {gap['node']}"
         lines.append(
-            f"  failover: {gap['client']} after {gap['action']} of node {gap['node']}: "
+            f"  failover: {gap['client']} after {what}: "
             f"reconnected in {_ms(gap['reconnect_gap_ms'])}, resumed in {_ms(gap['resume_gap_ms'])}"
         )
     outputs = verdict.get("outputs", {})

@@ -1,14 +1,19 @@
 """Delivery guarantees from the clients' histories: the Jepsen-style total-queue check, order,
 and the redelivered flag. What each check means is in ``docs/audit.md``; in short:
 
-* **lost**: confirmed (publisher confirm ``ack``), never delivered to anyone;
+* **lost**: confirmed (publisher confirm ``ack``), never delivered to anyone, or delivered
+  only to consumers that acknowledge and never acknowledged (given back, never delivered
+  again); unless a whole-cluster restart after its publish may have dropped it (a transient
+  message, or one for a non-durable queue: ``restarts.py``);
 * **unexpected**: delivered, never published;
 * **duplicated**: delivered again although the earlier delivery was not given back (its
   consumer acked it, or still held it on a live connection), outside every failure window;
 * **order**: a consumer received, not flagged redelivered, a message of one producer after a
   later message of that producer from the same queue, on one connection;
-* **redelivered flag**: a message delivered again without ``redelivered``; or a first delivery
-  flagged ``redelivered`` before anything could have requeued a message.
+* **redelivered flag**: a message delivered again without ``redelivered`` (unless a
+  whole-cluster restart forgot the earlier delivery: it came after the last event the resumed
+  store held); or a first delivery flagged ``redelivered`` before anything could have requeued
+  a message.
 
 Everything is computed by Spark: one aggregation per message (the ``messages`` table, written
 as Parquet and read back by the later steps), window functions over each consumer's deliveries
@@ -26,12 +31,16 @@ from pyspark.sql import functions as F
 
 from cpgbroker.audit.common import NS_PER_MS, violations
 from cpgbroker.audit.ingest import BAD
+from cpgbroker.audit.restarts import Restart, iso
 from cpgbroker.audit.schemas import DISRUPTIVE, RECOVERING
 
 # The driver takes at most this many fault-log records.
 MAX_FAULTS = 100_000
 # A larger set of out-of-order deliveries is not broadcast to be matched with its messages.
 BROADCAST_AT_MOST = 1_000_000
+# A failure window's action for a whole-cluster restart (found in the event logs).
+CLUSTER_RESTART = "cluster-restart"
+NEVER = 1 << 62
 
 
 def load(spark: SparkSession, staged: str) -> DataFrame:
@@ -87,6 +96,20 @@ def failure_windows(faults: list[dict[str, Any]], settle_ns: int) -> list[Failur
     return out
 
 
+def restart_windows(restarts: list[Restart], settle_ns: int) -> list[FailureWindow]:
+    """``[cluster down, cluster back + settle]`` for every whole-cluster restart (from when the
+    last member was gone, as far as the inputs tell, else from when it came back)."""
+    return [
+        FailureWindow(
+            r.down_from_ns if r.down_from_ns is not None else r.t_ns,
+            min(r.t_ns + settle_ns, NEVER),
+            CLUSTER_RESTART,
+            0,
+        )
+        for r in restarts
+    ]
+
+
 def messages(history: DataFrame, tables: str) -> None:
     """One row per message: what happened to it from publish to ack (the ``messages`` table)."""
     op = F.col("op")
@@ -102,7 +125,11 @@ def messages(history: DataFrame, tables: str) -> None:
         .groupBy("producer", "seq")
         .agg(
             F.sum(pub.cast("int")).alias("n_publish"),
-            F.min(F.when(pub, F.struct("t_ns", "queue", "client", "confirms"))).alias("pub"),
+            F.min(
+                F.when(
+                    pub, F.struct("t_ns", "queue", "client", "confirms", "persistent", "durable")
+                )
+            ).alias("pub"),
             F.max(F.when(op == "confirm", rank)).alias("rank"),
             F.min(F.when((op == "confirm") & (F.col("outcome") == "ack"), F.col("t_ns"))).alias(
                 "t_confirm"
@@ -114,8 +141,13 @@ def messages(history: DataFrame, tables: str) -> None:
                     F.struct("t_ns", "client", "n", "session", "redelivered", "member", "queue"),
                 )
             ).alias("first"),
+            F.max(F.when(dlv, F.struct("t_ns", "client"))).alias("last"),
             F.sum((dlv & F.col("redelivered")).cast("int")).alias("n_redelivered"),
             F.sum((op == "ack").cast("int")).alias("n_ack"),
+            # Rejected or nacked without requeue: settled, as an ack is.
+            F.sum(((op == "nack") & ~F.coalesce(F.col("requeue"), F.lit(True))).cast("int")).alias(
+                "n_dropped"
+            ),
         )
     )
     outcome = (
@@ -135,6 +167,9 @@ def messages(history: DataFrame, tables: str) -> None:
         F.col("pub.t_ns").alias("t_publish"),
         F.col("pub.client").alias("publisher"),
         outcome.alias("outcome"),
+        # Null: the history did not say (recorders before whole-cluster restarts).
+        F.col("pub.persistent").alias("persistent"),
+        F.col("pub.durable").alias("durable"),
         "t_confirm",
         "n_deliver",
         F.col("first.t_ns").alias("t_deliver"),
@@ -143,6 +178,8 @@ def messages(history: DataFrame, tables: str) -> None:
         F.col("first.redelivered").alias("first_redelivered"),
         "n_redelivered",
         "n_ack",
+        "n_dropped",
+        F.col("last.client").alias("last_consumer"),
         ((F.col("first.t_ns") - F.col("pub.t_ns")) / NS_PER_MS).alias("latency_ms"),
         ((F.col("t_confirm") - F.col("pub.t_ns")) / NS_PER_MS).alias("confirm_ms"),
     ).write.mode("overwrite").parquet(f"{tables}/messages")
@@ -207,27 +244,19 @@ def checks(
     tables: str,
     windows: list[FailureWindow],
     settle_ns: int,
+    restarts: list[Restart] | None = None,
 ) -> tuple[dict[str, dict[str, Any]], list[DataFrame]]:
-    """The delivery checks; the messages and sessions tables must exist. Returns a summary
-    per check and the violations (as DataFrames to be written)."""
+    """The delivery checks; the messages and sessions tables must exist. ``windows``: every
+    failure window, the whole-cluster restarts' included. Returns a summary per check and the
+    violations (as DataFrames to be written)."""
+    restarts = sorted(restarts or [], key=lambda r: r.t_ns)
     msgs = spark.read.parquet(f"{tables}/messages")
     sess = spark.read.parquet(f"{tables}/sessions")
     found: list[DataFrame] = []
     t0 = first_disturbance(history, sess, windows)
 
-    lost = msgs.where((F.col("outcome") == "ack") & (F.col("n_deliver") == 0))
-    found.append(
-        violations(
-            lost,
-            "lost",
-            producer="producer",
-            seq="seq",
-            queue="queue",
-            client="publisher",
-            t_ns="t_publish",
-            detail=F.lit("confirmed, never delivered"),
-        )
-    )
+    lost, dropped = _lost(history, msgs, restarts)
+    found.append(lost)
     unexpected = msgs.where((F.col("n_publish") == 0) & (F.col("n_deliver") > 0))
     found.append(
         violations(
@@ -258,10 +287,75 @@ def checks(
         )
     )
 
-    found.extend(_delivered_again(spark, history, msgs, sess, windows, settle_ns))
+    found.extend(_delivered_again(spark, history, msgs, sess, windows, settle_ns, restarts))
     found.extend(_out_of_order(history, msgs))
-    context = {"first_disturbance_ns": t0, "failure_windows": len(windows)}
+    context = {
+        "first_disturbance_ns": t0,
+        "failure_windows": len(windows),
+        "dropped_by_restart": dropped,
+    }
     return {"context": context}, found
+
+
+def _lost(history: DataFrame, msgs: DataFrame, restarts: list[Restart]) -> tuple[DataFrame, int]:
+    """Confirmed messages nobody consumed: never delivered, or delivered only to consumers that
+    acknowledge and never acknowledged (given back when their connection ended, never delivered
+    again). A whole-cluster restart after its publish may drop a transient message or one for
+    a non-durable queue: those are counted (returned), not lost. A history that did not record
+    ``persistent`` or ``durable`` makes the message one a restart must keep."""
+    op = F.col("op")
+    # Clients that acknowledge what they get (they recorded an ack, nack or reject).
+    acking = (
+        history.where(op.isin("ack", "nack"))
+        .select(F.col("client").alias("last_consumer"))
+        .distinct()
+        .withColumn("acks", F.lit(True))
+    )
+    m = msgs.where(F.col("outcome") == "ack").join(F.broadcast(acking), "last_consumer", "left")
+    unconsumed = (F.col("n_deliver") == 0) | (
+        (F.col("n_ack") == 0) & (F.col("n_dropped") == 0) & F.coalesce(F.col("acks"), F.lit(False))
+    )
+    kept = F.coalesce(F.col("persistent"), F.lit(True)) & F.coalesce(F.col("durable"), F.lit(True))
+    # The first restart after the publish, if any (restarts are few), named by its time.
+    restart_after: Column = F.lit(None).cast("string")
+    for r in reversed(restarts):
+        restart_after = F.when(F.col("t_publish") < F.lit(r.t_ns), F.lit(iso(r.t_ns))).otherwise(
+            restart_after
+        )
+    m = m.where(unconsumed).withColumn("restart_after", restart_after)
+    may_drop = ~kept & F.col("restart_after").isNotNull()
+    dropped = m.where(may_drop).count() if restarts else 0
+    what = F.when(F.col("n_deliver") == 0, F.lit("confirmed, never delivered")).otherwise(
+        F.format_string(
+            "confirmed, delivered %d times, never acknowledged (given back, never delivered again)",
+            F.col("n_deliver"),
+        )
+    )
+    kind = F.when(
+        F.col("persistent").isNull() | F.col("durable").isNull(),
+        "persistence not recorded: taken as persistent for a durable queue",
+    ).otherwise("persistent, durable queue")
+    across = F.when(
+        F.col("restart_after").isNotNull(),
+        F.concat(
+            F.lit("; published before the whole-cluster restart at "),
+            F.col("restart_after"),
+            F.lit(" ("),
+            kind,
+            F.lit(")"),
+        ),
+    ).otherwise("")
+    lost = violations(
+        m.where(~may_drop),
+        "lost",
+        producer="producer",
+        seq="seq",
+        queue="queue",
+        client="publisher",
+        t_ns="t_publish",
+        detail=F.concat(what, across),
+    )
+    return lost, dropped
 
 
 def _small(df: DataFrame, n: int) -> DataFrame:
@@ -276,6 +370,7 @@ def _delivered_again(
     sess: DataFrame,
     windows: list[FailureWindow],
     settle_ns: int,
+    restarts: list[Restart],
 ) -> list[DataFrame]:
     """Messages delivered more than once: was each later delivery allowed, and flagged?"""
     again = msgs.where((F.col("n_deliver") >= 2) & (F.col("n_publish") <= 1)).select(
@@ -299,10 +394,19 @@ def _delivered_again(
         F.row_number().over(w).alias("k"),
         F.lag("client").over(w).alias("p_client"),
         F.lag("session").over(w).alias("p_session"),
+        F.lag("t_ns").over(w).alias("p_t"),
     ).where(F.col("k") >= 2)
+    # A whole-cluster restart forgets a delivery made after the last event the resumed store
+    # held: the message comes back as never delivered, without the flag. When that event was
+    # applied is known from the logs before the restart, or bounded by their last event before
+    # it (they may end early); with no log before the restart, any delivery before it counts.
+    forgotten: Column = F.lit(False)
+    for r in restarts:
+        since = F.lit(True) if r.state_applied_ns is None else F.col("p_t") >= r.state_applied_ns
+        forgotten = forgotten | (since & (F.col("p_t") < r.t_ns) & (F.col("t_ns") >= r.t_ns))
     found = [
         _delivery_violation(
-            later.where(~F.col("redelivered")),
+            later.where(~F.col("redelivered") & ~forgotten),
             "redelivered_flag",
             detail=F.format_string("delivery %d not flagged redelivered", F.col("k")),
         )

@@ -9,7 +9,9 @@ A history is a JSON-lines file per client (``<client>.history.jsonl``). Every re
   share a clock: same host or NTP), ``session``: the client's connection number (1 for its
   first connection, +1 per reconnect);
 
-and per operation the fields of the matching :class:`HistoryRecorder` method. A message is
+and per operation the fields of the matching :class:`HistoryRecorder` method (a publish also
+says whether the message was persistent and its queue durable: what a whole-cluster restart
+keeps). A message is
 identified by ``(producer, seq)``: ``producer`` names one publishing stream and ``seq`` grows
 by one per publish attempt (a message published again after a failover gets a new ``seq``).
 ``docs/audit.md`` documents the format and what the audit concludes from it.
@@ -126,20 +128,36 @@ class HistoryRecorder:
         self._write("disconnect", {"member": self.member, "reason": reason})
 
     # -- publishing
-    def published(self, producer: str, seq: int, queue: str, *, confirms: bool = True) -> None:
+    def published(
+        self,
+        producer: str,
+        seq: int,
+        queue: str,
+        *,
+        confirms: bool = True,
+        persistent: bool | None = None,
+        durable: bool | None = None,
+    ) -> None:
         """``basic.publish`` of message ``(producer, seq)`` towards ``queue`` (the routing key
         for the default exchange), recorded just before it is sent: its ``t_ns`` is where
-        end-to-end latency starts. ``confirms``: the channel is in confirm mode."""
-        self._write(
-            "publish",
-            {
-                "producer": producer,
-                "seq": seq,
-                "queue": queue,
-                "confirms": confirms,
-                "member": self.member,
-            },
-        )
+        end-to-end latency starts. ``confirms``: the channel is in confirm mode.
+
+        ``persistent``: published with delivery mode 2; ``durable``: ``queue`` was declared
+        durable. A whole-cluster restart keeps only persistent messages on durable queues;
+        the audit takes a message whose history does not say (None: not recorded) to be one
+        it must keep."""
+        fields: dict[str, Any] = {
+            "producer": producer,
+            "seq": seq,
+            "queue": queue,
+            "confirms": confirms,
+            "member": self.member,
+        }
+        if persistent is not None:
+            fields["persistent"] = persistent
+        if durable is not None:
+            fields["durable"] = durable
+        self._write("publish", fields)
 
     def confirmed(self, producer: str, seq: int, outcome: Outcome) -> None:
         """The broker's answer: ``ack`` (confirmed), ``nack``, or ``unknown`` (the connection

@@ -14,7 +14,7 @@ import attrs
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
-from cpgbroker.audit import delivery, events, ingest, perf
+from cpgbroker.audit import delivery, events, ingest, perf, restarts
 from cpgbroker.audit.common import EXAMPLES, NS_PER_S, empty_violations, rows
 from cpgbroker.audit.progress import Progress
 
@@ -135,10 +135,15 @@ def _audit(spark: SparkSession, cfg: AuditConfig, staging: str) -> dict[str, Any
     found: list[DataFrame] = []
     member_seconds: list[dict[str, Any]] = []
     ev = events.load(spark, ev_st.path) if ev_st is not None and ev_st.records else None
+    restart_list: list[restarts.Restart] = []
     with progress.step("replica consistency"):
         if ev is None:
             checks["replica_consistency"] = {"status": "skipped", "reason": NO_EVENTS}
         else:
+            # Whole-cluster restarts cut the run into eras, compared each on its own.
+            ev, restart_list = restarts.with_eras(spark, ev, fault_rows)
+            for r in restart_list:
+                progress.note(f"  {r.describe()}")
             checks["replica_consistency"], bad = events.replica_consistency(spark, ev, tables)
             found.extend([bad] if bad is not None else [])
     with progress.step("total order and member lag"):
@@ -156,9 +161,12 @@ def _audit(spark: SparkSession, cfg: AuditConfig, staging: str) -> dict[str, Any
     with progress.step("client sessions"):
         if hist is not None:
             delivery.sessions(hist, tables)
+    all_windows = windows + delivery.restart_windows(restart_list, settle_ns)
     with progress.step("delivery checks"):
         if hist is not None:
-            result, bad_list = delivery.checks(spark, hist, tables, windows, settle_ns)
+            result, bad_list = delivery.checks(
+                spark, hist, tables, all_windows, settle_ns, restart_list
+            )
             context = result["context"]
             found.extend(bad_list)
 
@@ -175,10 +183,17 @@ def _audit(spark: SparkSession, cfg: AuditConfig, staging: str) -> dict[str, Any
             **v,
             **({"reason": NO_HISTORY} if hist is None else {}),
         }
-    for name in ("replica_consistency", "total_order"):
-        if name in by_kind:
-            checks[name]["examples"] = by_kind[name]["examples"]
-    checks["duplicated"]["failure_windows"] = context.get("failure_windows", len(windows))
+    # The check and the kind of violation it writes.
+    for name, kind in (
+        ("replica_consistency", "replica_divergence"),
+        ("total_order", "total_order"),
+    ):
+        if kind in by_kind:
+            checks[name]["examples"] = by_kind[kind]["examples"]
+    checks["duplicated"]["failure_windows"] = context.get("failure_windows", len(all_windows))
+    if restart_list:
+        # Confirmed messages a restart may drop (transient, or for a non-durable queue).
+        checks["lost"]["dropped_by_restart"] = context.get("dropped_by_restart", 0)
     checks["redelivered_flag"]["first_disturbance_ns"] = context.get("first_disturbance_ns")
 
     performance: dict[str, Any] = {}
@@ -189,7 +204,9 @@ def _audit(spark: SparkSession, cfg: AuditConfig, staging: str) -> dict[str, Any
             series = perf.plot_series(spark, tables)
     with progress.step("failover gaps"):
         performance["failover"] = (
-            perf.failover(spark, hist, tables, fault_rows, windows) if hist is not None else []
+            perf.failover(spark, hist, tables, fault_rows, windows, restart_list, settle_ns)
+            if hist is not None
+            else []
         )
 
     starts = [s.t_min for s in staged.values() if s is not None and s.t_min is not None]
@@ -201,6 +218,9 @@ def _audit(spark: SparkSession, cfg: AuditConfig, staging: str) -> dict[str, Any
         "failed": failed,
         "error": None,
         "checks": checks,
+        # Whole-cluster restarts found in the event logs (docs/audit.md, "Whole-cluster
+        # restarts").
+        "restarts": [r.as_dict() for r in restart_list],
         "inputs": {
             **{k: (s.summary() if s is not None else None) for k, s in staged.items()},
             "t_start_ns": min(starts) if starts else None,

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from cpgbroker.audit.common import ACCURACY, NS_PER_MS, rows, second
-from cpgbroker.audit.delivery import FailureWindow
+from cpgbroker.audit.delivery import CLUSTER_RESTART, FailureWindow
+from cpgbroker.audit.restarts import Restart
 from cpgbroker.audit.schemas import DISRUPTIVE
 
 QUANTILES = [0.5, 0.95, 0.99]
@@ -146,49 +147,34 @@ def failover(
     tables: str,
     faults: list[dict[str, Any]],
     windows: list[FailureWindow],
+    restarts: list[Restart] | None = None,
+    settle_ns: int = 0,
 ) -> list[dict[str, Any]]:
     """For each disruptive fault, each client whose connection ended within the fault's failure
     window (and, when the fault names the member's URL, was connected to that member), not by
     the client's own choice: when it reconnected and when it next got a delivery or a confirm.
+    ``windows``: the faults' (``delivery.failure_windows``).
+
+    For each whole-cluster restart (action ``cluster-restart``, from when the cluster was down),
+    each client's last connection from before the cluster went down that ended, not by the
+    client's choice, between ``settle_ns`` before it and ``settle_ns`` after the cluster was
+    back: when the client was back, and served again.
 
     A join on the executors (sessions x faults); the driver gets the affected connections,
     at most ``MAX_FAILOVER_ROWS`` of them (all are in the ``failover`` table)."""
     disruptive = [f for f in sorted(faults, key=lambda f: f["t_ns"]) if f["action"] in DISRUPTIVE]
-    if not disruptive:
+    restarts = sorted(restarts or [], key=lambda r: r.t_ns)
+    if not disruptive and not restarts:
         return []
-    # failure_windows() yields one window per disruptive fault, in time order.
-    fdf = spark.createDataFrame(
-        [
-            (i, f["action"], f["node"], f["t_ns"], w.end, f.get("url"))
-            for i, (f, w) in enumerate(zip(disruptive, windows, strict=True))
-        ],
-        "fault long, action string, node long, t_fault long, w_end long, f_url string",
-    )
     sess = spark.read.parquet(f"{tables}/sessions")
-    affected = sess.join(
-        F.broadcast(fdf),
-        (F.col("t_start") <= F.col("t_fault"))
-        & (F.col("t_fault") <= F.col("t_end"))
-        & (F.col("t_end") <= F.col("w_end"))
-        # The client finished, or closed the connection itself: not a failover.
-        & (F.col("ended_by") != "history-end")
-        & F.coalesce(F.col("reason") != "closed", F.lit(True))
-        & (
-            F.col("f_url").isNull()
-            | F.col("member").isNull()
-            | (_host_port(F.col("f_url")) == _host_port(F.col("member")))
-        ),
-    ).select(
-        "fault",
-        "action",
-        "node",
-        "t_fault",
-        "client",
-        "session",
-        "member",
-        F.col("t_end").alias("t_lost"),
-        F.col("t_next").alias("t_reconnect"),
-    )
+    parts = []
+    if disruptive:
+        parts.append(_fault_sessions(spark, sess, disruptive, windows))
+    if restarts:
+        parts.append(_restart_sessions(spark, sess, restarts, len(disruptive), settle_ns))
+    affected = parts[0]
+    for part in parts[1:]:
+        affected = affected.unionByName(part)
     ok = (F.col("op") == "deliver") | ((F.col("op") == "confirm") & (F.col("outcome") == "ack"))
     resumed = (
         history.where(ok)
@@ -218,4 +204,90 @@ def failover(
     return rows(
         spark.read.parquet(f"{tables}/failover").orderBy("fault", "client", "session"),
         limit=MAX_FAILOVER_ROWS,
+    )
+
+
+def _not_by_choice() -> Column:
+    """A connection the client lost: it did not finish, nor close it itself."""
+    return (F.col("ended_by") != "history-end") & F.coalesce(
+        F.col("reason") != "closed", F.lit(True)
+    )
+
+
+def _fault_sessions(
+    spark: SparkSession,
+    sess: DataFrame,
+    disruptive: list[dict[str, Any]],
+    windows: list[FailureWindow],
+) -> DataFrame:
+    # failure_windows() yields one window per disruptive fault, in time order.
+    fdf = spark.createDataFrame(
+        [
+            (i, f["action"], f["node"], f["t_ns"], w.end, f.get("url"))
+            for i, (f, w) in enumerate(zip(disruptive, windows, strict=True))
+        ],
+        "fault long, action string, node long, t_fault long, w_end long, f_url string",
+    )
+    return sess.join(
+        F.broadcast(fdf),
+        (F.col("t_start") <= F.col("t_fault"))
+        & (F.col("t_fault") <= F.col("t_end"))
+        & (F.col("t_end") <= F.col("w_end"))
+        # The client finished, or closed the connection itself: not a failover.
+        & _not_by_choice()
+        & (
+            F.col("f_url").isNull()
+            | F.col("member").isNull()
+            | (_host_port(F.col("f_url")) == _host_port(F.col("member")))
+        ),
+    ).select(
+        "fault",
+        "action",
+        "node",
+        "t_fault",
+        "client",
+        "session",
+        "member",
+        F.col("t_end").alias("t_lost"),
+        F.col("t_next").alias("t_reconnect"),
+    )
+
+
+def _restart_sessions(
+    spark: SparkSession, sess: DataFrame, restarts: list[Restart], first: int, settle_ns: int
+) -> DataFrame:
+    rdf = spark.createDataFrame(
+        [
+            (
+                first + k,
+                CLUSTER_RESTART,
+                r.down_from_ns if r.down_from_ns is not None else r.t_ns,
+                r.t_ns,
+            )
+            for k, r in enumerate(restarts)
+        ],
+        "fault long, action string, t_fault long, t_back long",
+    )
+    latest = Window.partitionBy("fault", "client").orderBy(F.col("session").desc())
+    return (
+        sess.join(
+            F.broadcast(rdf),
+            (F.col("t_start") < F.col("t_fault"))
+            & (F.col("t_end") >= F.col("t_fault") - settle_ns)
+            & (F.col("t_end") <= F.col("t_back") + settle_ns)
+            & _not_by_choice(),
+        )
+        .select("*", F.row_number().over(latest).alias("k"))
+        .where(F.col("k") == 1)
+        .select(
+            "fault",
+            "action",
+            F.lit(None).cast("long").alias("node"),
+            "t_fault",
+            "client",
+            "session",
+            "member",
+            F.col("t_end").alias("t_lost"),
+            F.col("t_next").alias("t_reconnect"),
+        )
     )

@@ -22,7 +22,7 @@ from cpgbroker.audit.common import NS_PER_S
 CHECK_TITLES = {
     "replica_consistency": "Replica consistency (digest checkpoints)",
     "total_order": "Total order (event sequences of all members)",
-    "lost": "Lost: confirmed, never delivered",
+    "lost": "Lost: confirmed, never consumed",
     "duplicated": "Duplicated: delivered again outside a failure window",
     "unexpected": "Unexpected: delivered, never published",
     "order": "Per-producer order per queue",
@@ -46,7 +46,24 @@ def _png(fig: Figure) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def _faults(ax: Axes, faults: Sequence[dict[str, Any]], t0: int) -> None:
+def _faults(
+    ax: Axes, faults: Sequence[dict[str, Any]], t0: int, restarts: Sequence[dict[str, Any]] = ()
+) -> None:
+    for r in restarts:
+        back = (r["t_ns"] - t0) / NS_PER_S
+        down = r.get("down_from_ns")
+        start = back if down is None else (down - t0) / NS_PER_S
+        ax.axvspan(start, back, color="#b00", alpha=0.12, linewidth=0)
+        ax.annotate(
+            f"cluster down, recovered event {r['recovered_seq']}",
+            (start, 0.5),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            va="center",
+            ha="left",
+            fontsize=8,
+            color="#b00",
+        )
     for f in faults:
         x = (f["t_ns"] - t0) / NS_PER_S
         ax.axvline(x, color="#b00", linestyle="--", linewidth=1)
@@ -82,8 +99,10 @@ def plots(
     member_seconds: Sequence[dict[str, Any]],
     faults: Sequence[dict[str, Any]],
     t0: int,
+    restarts: Sequence[dict[str, Any]] = (),
 ) -> list[tuple[str, str]]:
-    """(title, data URI) of every plot there is data for."""
+    """(title, data URI) of every plot there is data for (faults as lines, whole-cluster
+    restarts as the span the cluster was down)."""
     out: list[tuple[str, str]] = []
     overall = [r for r in series if r["scope"] == "all"]
     if overall:
@@ -98,7 +117,7 @@ def plots(
             ("delivered", "delivered (first deliveries)"),
         ):
             _line(ax, xs, [by_sec[sec][key] or 0 if sec in by_sec else 0 for sec in secs], label)
-        _faults(ax, faults, t0)
+        _faults(ax, faults, t0, restarts)
         ax.legend(loc="lower left", fontsize=8)
         out.append(("Throughput over time", _png(fig)))
         lat = [r for r in overall if r["latency_p50_ms"] is not None]
@@ -108,7 +127,7 @@ def plots(
             for key in ("latency_p50_ms", "latency_p99_ms", "latency_max_ms"):
                 _line(ax, lx, [r[key] for r in lat], key.split("_")[1])
             ax.set_yscale("log")
-            _faults(ax, faults, t0)
+            _faults(ax, faults, t0, restarts)
             ax.legend(loc="upper left", fontsize=8)
             out.append(("Latency over time", _png(fig)))
     per_member = defaultdict(list)
@@ -121,7 +140,7 @@ def plots(
             _line(
                 ax, [r["sec"] - t0 / NS_PER_S for r in rs], [r["delivered"] for r in rs], str(key)
             )
-        _faults(ax, faults, t0)
+        _faults(ax, faults, t0, restarts)
         ax.legend(loc="lower left", fontsize=8)
         out.append(("Deliveries per member", _png(fig)))
     by_member = defaultdict(list)
@@ -136,7 +155,7 @@ def plots(
                 [r["lag_ms"][1] for r in rs],
                 f"member {m}",
             )
-        _faults(ax, faults, t0)
+        _faults(ax, faults, t0, restarts)
         ax.legend(loc="upper left", fontsize=8)
         out.append(("Per-member lag", _png(fig)))
         fig, ax = _figure("Events applied per member", "events / s")
@@ -144,7 +163,7 @@ def plots(
             _line(
                 ax, [r["sec"] - t0 / NS_PER_S for r in rs], [r["events"] for r in rs], f"member {m}"
             )
-        _faults(ax, faults, t0)
+        _faults(ax, faults, t0, restarts)
         ax.legend(loc="lower left", fontsize=8)
         out.append(("Events applied per member", _png(fig)))
     return out
@@ -214,13 +233,36 @@ def render(
         parts.append(f"<pre>{html.escape(json.dumps(rest, indent=2))}</pre>")
         if examples:
             parts.append(_table(examples))
+    restarts = verdict.get("restarts") or []
+    if restarts:
+        parts.append("<h2>Whole-cluster restarts</h2>")
+        for r in restarts:
+            parts.append(f"<p>{html.escape(r['summary'])}</p>")
+        parts.append(
+            _table(
+                restarts,
+                [
+                    "era",
+                    "down_s",
+                    "recovered_seq",
+                    "member",
+                    "seq",
+                    "previous_last_seq",
+                    "rolled_back",
+                    "replicas",
+                ],
+            )
+        )
     perf = verdict.get("performance", {})
     parts.append("<h2>Performance</h2>")
     totals = {k: v for k, v in perf.items() if k != "failover"}
     parts.append(f"<pre>{html.escape(json.dumps(totals, indent=2))}</pre>")
-    for title, uri in plots(series, member_seconds, faults, t0):
+    for title, uri in plots(series, member_seconds, faults, t0, restarts):
         parts.append(f"<h3>{html.escape(title)}</h3><img alt='{html.escape(title)}' src='{uri}'>")
-    parts.append("<h3>Failover gaps (from the fault to each affected client)</h3>")
+    parts.append(
+        "<h3>Failover gaps (from the fault, or from when the whole cluster was down, to each "
+        "affected client)</h3>"
+    )
     parts.append(
         _table(
             perf.get("failover", []),

@@ -44,6 +44,9 @@ EVENT_SCHEMA = T.StructType(
 # error names the event a member failed to apply or record, an error-check the decided round
 # about it, and a stop the event at which a stop request stopped the member.
 NOT_APPLIED = ("hello", "checkpoint", "verdict", "suspend", "error", "error-check", "stop")
+# The event a member applies once when the cluster resumes a store after every member
+# stopped (a whole-cluster restart); logged under its class name before it had a type name.
+RECOVERED = ("recovered", "Recovered")
 # Records that carry nothing more than type, seq, t_ns and member are required to.
 _BARE = ("hello", "suspend", "error", "error-check", "stop")
 
@@ -61,6 +64,10 @@ HISTORY_SCHEMA = T.StructType(
         T.StructField("seq", T.LongType()),
         T.StructField("queue", T.StringType()),
         T.StructField("confirms", T.BooleanType()),
+        # Absent in histories of recorders before whole-cluster restarts: not known, so the
+        # audit takes the message to be one a restart must keep (see delivery.py, "lost").
+        T.StructField("persistent", T.BooleanType()),
+        T.StructField("durable", T.BooleanType()),
         T.StructField("outcome", T.StringType()),
         T.StructField("consumer", T.StringType()),
         T.StructField("redelivered", T.BooleanType()),

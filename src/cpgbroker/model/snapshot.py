@@ -288,7 +288,6 @@ def parts(b: Broker, chunk: int = CHUNK) -> Iterator[Any]:
     ]
 
 
-
 def _head(b: Broker, queues: list[Queue]) -> dict[str, Any]:
     h: dict[str, Any] = {
         "format": SNAPSHOT_FORMAT,
