@@ -4,6 +4,7 @@ in, and the freshest store wins even when a stale member starts first."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import sys
@@ -429,4 +430,45 @@ def test_a_store_corrupted_before_its_tail_is_set_aside_and_its_member_updated(
     assert "cannot be trusted" in log and seg.name in log and "offset" in log
     assert list(bs.store_path(2).parent.glob(f"{bs.store_path(2).name}.discarded-*"))
     assert [b for b, _r in _get_all(bs, 2, "s.corrupt")] == sent
+    bs.converged([1, 2, 3])
+
+
+def test_with_recover_with_majority_two_members_restart_the_cluster_and_the_third_catches_up(
+    broker_set: Callable[..., BrokerSet],
+) -> None:
+    bs = broker_set(store=True, store_options='recover_with = "majority"')
+    c = connect(bs, 1)
+    _declare(c.channel(), ["s.major"])
+    c.close()
+    sent = _publish_confirmed(bs, 2, "s.major", 100, "major")
+    _kill_all(bs)
+    _restart(bs, [3, 1])  # member 2 stays down
+    assert [b for b, _r in _get_all(bs, 1, "s.major")] == sent
+    more = _publish_confirmed(bs, 3, "s.major", 20, "more")
+    # With one member left, a persistent message is not confirmed: no majority of stores.
+    bs.kill(1)
+    conn = connect(bs, 3)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    done = threading.Event()
+
+    def publish() -> None:
+        with contextlib.suppress(pika.exceptions.AMQPError, OSError):
+            ch.basic_publish("dur.x", "s.major", b"lonely", PERSISTENT)
+            done.set()
+
+    t = threading.Thread(target=publish, daemon=True)
+    t.start()
+    t.join(3)
+    assert not done.is_set(), "a persistent message was confirmed by one member of three"
+    # Member 2 comes back: a majority serves again and the confirm goes out.
+    bs.start(2)
+    bs.wait_ready([2], timeout=60)
+    t.join(30)
+    assert done.is_set()
+    conn.close()
+    bs.start(1)
+    bs.wait_ready([1], timeout=60)
+    got = [b for b, _r in _get_all(bs, 2, "s.major")]
+    assert got == [*more, b"lonely"]  # the first 100 were taken by the get above
     bs.converged([1, 2, 3])

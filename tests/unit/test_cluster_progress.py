@@ -85,3 +85,11 @@ def test_durable_reports_give_the_durable_stable_sequence_and_count_in_the_lag()
     # A member without a store vouches for what it applied.
     p.on_report(A, 507)
     assert p.durable_stable(510, ready) == 480
+
+
+def test_with_a_store_quorum_durable_confirms_need_that_many_ready_members() -> None:
+    p = PeerProgress(ME, max_lag=100)
+    p.on_report(A, 500, 500)
+    assert p.durable_stable(500, [ME, A], quorum=2) == 500
+    assert p.durable_stable(500, [ME], quorum=2) == 0  # alone: no majority of stores
+    assert p.durable_stable(500, [ME]) == 500  # "all": the stores of those serving

@@ -155,3 +155,24 @@ def test_a_ready_member_still_wins_over_kept_state() -> None:
     actions = view.on_hello(hello(1, status=STATUS_READY))
     assert len(actions) == 1 and isinstance(actions[0], NeedUpdate)
     assert view.state == NEEDS_UPDATE and view.state != READY
+
+
+def test_with_recover_with_majority_two_of_three_stores_decide_a_restart() -> None:
+    # Members 1 and 2 are back with their stores; 3 is not (yet). The freshest of the two
+    # resumes at the event where the second hello is delivered.
+    for me, expect in ((1, NeedUpdate), (2, ResumeState)):
+        view = Membership(me, 3, 1, DIGEST, f"amqp://m{me}/", recover_quorum=2)
+        view.on_confchg([1, 2], [1, 2], [])
+        assert view.on_hello(hello(1, 1, 400)) == []
+        actions = view.on_hello(hello(2, 1, 410))
+        assert isinstance(actions[0], expect), actions
+    # Without kept state (a first start), all three are still waited for.
+    view = Membership(1, 3, 1, DIGEST, "amqp://m1/", recover_quorum=2)
+    view.on_confchg([1, 2], [1, 2], [])
+    view.on_hello(hello(1))
+    assert view.on_hello(hello(2)) == []
+    # With "all" (no recover quorum) two of three wait for the third.
+    view = Membership(1, 3, 1, DIGEST, "amqp://m1/")
+    view.on_confchg([1, 2], [1, 2], [])
+    view.on_hello(hello(1, 1, 400))
+    assert view.on_hello(hello(2, 1, 410)) == []

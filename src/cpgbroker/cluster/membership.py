@@ -103,10 +103,19 @@ class MemberInfo:
 
 class Membership:
     def __init__(
-        self, me: int, size: int, model_version: int, config_digest: bytes, url: str
+        self,
+        me: int,
+        size: int,
+        model_version: int,
+        config_digest: bytes,
+        url: str,
+        recover_quorum: int = 0,
     ) -> None:
         self.me = me
         self.size = size
+        # When some member offers kept state, this many members suffice to decide whose is
+        # resumed (``[store] recover_with = "majority"``); 0: ``size``.
+        self.recover_quorum = recover_quorum
         self.model_version = model_version
         self.config_digest = config_digest
         self.url = url
@@ -248,7 +257,10 @@ class Membership:
         return self._maybe_ready() if self.state == JOINING else []
 
     def _maybe_ready(self) -> list[Action]:
-        if len(self.members) < self.size:
+        need = self.size
+        if self.recover_quorum and any(i.recover_epoch for i in self.members.values()):
+            need = min(need, self.recover_quorum)
+        if len(self.members) < need:
             return []
         if any(i.status != STATUS_NEW for i in self.members.values()):
             return []

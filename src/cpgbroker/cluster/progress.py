@@ -109,10 +109,12 @@ class PeerProgress:
         applied, me = self.applied, self.me
         return min(own if m == me else applied.get(m, 0) for m in ready)
 
-    def durable_stable(self, own: int, ready: list[int]) -> int:
+    def durable_stable(self, own: int, ready: list[int], quorum: int = 0) -> int:
         """The highest event every ready member's store (this one's at ``own``) is known to
-        hold: confirms of persistent messages on durable queues up to it may go out."""
-        if not ready:
+        hold: confirms of persistent messages on durable queues up to it may go out. With a
+        ``quorum``, none while fewer members are ready (``[store] recover_with = "majority"``:
+        then any majority that restarts holds every such confirmed message)."""
+        if not ready or len(ready) < quorum:
             return 0
         durable, me = self.durable, self.me
         return min(own if m == me else durable.get(m, 0) for m in ready)

@@ -115,6 +115,8 @@ def config_digest(config: ServerConfig) -> bytes:
     relevant["group"] = config.cluster.group
     # Checkpoints are voted on at the same events everywhere, or not at all.
     relevant["checkpoint_every"] = config.cluster.checkpoint_every
+    # Who decides a restart, and how many serving members a durable confirm needs.
+    relevant["recover_with"] = "" if config.store is None else config.store.recover_with
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).digest()
 
 
@@ -176,8 +178,20 @@ class ClusterNode:
         self.broker = Broker(config.broker)
         # A forced boot (``--force-boot``) does not wait for the other members' stores.
         self.forced = forced
+        # ``[store] recover_with = "majority"``: a majority of ``size`` decides a restart,
+        # and confirms that wait for the stores need that many serving.
+        self.store_quorum = (
+            cluster.size // 2 + 1
+            if config.store is not None and config.store.recover_with == "majority"
+            else 0
+        )
         self.membership = Membership(
-            member, 1 if forced else cluster.size, MODEL_VERSION, config_digest(config), cluster.url
+            member,
+            1 if forced else cluster.size,
+            MODEL_VERSION,
+            config_digest(config),
+            cluster.url,
+            self.store_quorum,
         )
         self.progress = PeerProgress(member, cluster.max_lag)
         self.multicast = Multicaster(cpg, self.progress, self.lag, self.report)
@@ -313,7 +327,9 @@ class ClusterNode:
     def durable_stable_seq(self) -> int:
         """The highest event every ready member's store is known to hold: confirms of
         persistent messages on durable queues up to it may go out."""
-        return self.progress.durable_stable(self.durable_seq(), self.membership.ready_members)
+        return self.progress.durable_stable(
+            self.durable_seq(), self.membership.ready_members, self.store_quorum
+        )
 
     def report(self) -> bytes:
         """Our progress report as of now (at least the events that asked for it)."""
@@ -338,6 +354,9 @@ class ClusterNode:
             # Keep the others' view of our store fresh (their flow control counts it) when
             # it catches up after falling behind.
             or seq - self._durable_reported >= self.progress.every
+            # Our store vouches for the first time in this incarnation (it was replaced by a
+            # state update): confirms the others hold may have waited for just that.
+            or (self._durable_reported == 0 and seq > 0)
         ):
             self.multicast.report_soon(False)
         self.multicast.progress_changed()

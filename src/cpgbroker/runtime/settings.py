@@ -11,7 +11,7 @@ import attrs
 
 from cpgbroker.errors import ConfigError
 from cpgbroker.model.config import BrokerConfig, User
-from cpgbroker.store.store import FSYNC_POLICIES, StoreSettings
+from cpgbroker.store.store import FSYNC_POLICIES, RECOVER_WITH, StoreSettings
 
 
 @attrs.frozen
@@ -248,6 +248,7 @@ _STORE_KEYS = (
     "segment_mib",
     "snapshot_mib",
     "free_disk_limit_mib",
+    "recover_with",
 )
 
 
@@ -264,6 +265,9 @@ def _store(d: dict[str, Any]) -> StoreSettings | None:
     interval = d.get("fsync_interval_ms", 20)
     segment = d.get("segment_mib", 64)
     snap = d.get("snapshot_mib", 256)
+    recover_with = str(d.get("recover_with", "all"))
+    if recover_with not in RECOVER_WITH:
+        raise ConfigError(f"[store] recover_with must be one of {', '.join(RECOVER_WITH)}")
     free = d.get("free_disk_limit_mib", 50)
     if isinstance(free, bool) or not isinstance(free, int) or free < 0:
         raise ConfigError("[store] free_disk_limit_mib must be 0 (off) or a positive integer")
@@ -281,6 +285,7 @@ def _store(d: dict[str, Any]) -> StoreSettings | None:
         segment_bytes=segment * 2**20,
         snapshot_bytes=snap * 2**20,
         free_disk_limit=free * 2**20,
+        recover_with=recover_with,
     )
 
 

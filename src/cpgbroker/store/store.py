@@ -57,6 +57,7 @@ from cpgbroker.store.syncer import Syncer
 log = logging.getLogger("cpgbroker.store")
 
 FSYNC_POLICIES = ("always", "interval", "never")
+RECOVER_WITH = ("all", "majority")
 PROGRESS_EVERY_S = 2.0
 
 
@@ -80,6 +81,12 @@ class StoreSettings:
     # Below this much free space on the store's file system the member raises a disk alarm
     # and publishers are blocked cluster-wide (RabbitMQ's disk_free_limit; 0: never).
     free_disk_limit: int = 50 * 2**20
+    # "all": after a whole-cluster stop the cluster resumes once all ``size`` members are back
+    # (the freshest store among them); a confirm waits for the stores of the members that
+    # serve, however few. "majority": it resumes once a majority of ``size`` is back, and a
+    # confirm that waits for the stores also needs a majority of ``size`` serving (RabbitMQ's
+    # quorum queues), so the freshest store of any majority holds it.
+    recover_with: str = "all"
 
 
 @attrs.define
