@@ -24,7 +24,9 @@ what they return. Each component owns its state and never imports this module:
 * ``runtime/errorchecks.py``: this member's side of error-check rounds, over
   ``cluster/stall.py`` (pure);
 * ``cluster/merge.py`` (pure): partition merge verdicts; ``cluster/quorum.py``: ring gating;
-* ``runtime/stops.py``: stop requests.
+* ``runtime/stops.py``: stop requests;
+* ``store/`` (through ``runtime/storage.py``): the member's durable store, which journals
+  every applied event (``_after_apply``) and whose fsyncs come back as ``on_durable``.
 
 What stays here is the order of things: which component sees an event, in which state of the
 member, and what a decision means for the others (suspending, resynchronising, leaving).
