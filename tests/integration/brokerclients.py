@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pika
@@ -165,3 +169,23 @@ def load_until(pub: ConfirmingPublisher, n: int, timeout: float = 30.0) -> None:
         assert pub.error is None, pub.error
         assert time.monotonic() < deadline, f"only {len(pub.confirmed) - start} confirms"
         time.sleep(0.05)
+
+
+def run_audit(
+    bs: BrokerSet, histories: Path, started: int, tmp_path: Path, timeout: float = 600
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """Run ``cpgbroker audit`` on a test's run: the members' event logs, the clients'
+    histories in ``histories`` and the dev cluster's fault log from ``started`` (ns) on (the
+    cluster is shared by the session's tests). The finished process and its verdict."""
+    faults = tmp_path / "faults.jsonl"
+    lines = (bs.dc.base / "faults.jsonl").read_text().splitlines()
+    faults.write_text("".join(line + "\n" for line in lines if json.loads(line)["t_ns"] >= started))
+    out = tmp_path / "audit"
+    cmd = [sys.executable, "-m", "cpgbroker", "audit", "--out", str(out), "--master", "local[2]"]
+    cmd += ["--conf", "spark.sql.shuffle.partitions=4", "--history", str(histories)]
+    cmd += ["--faults", str(faults)]
+    for n in (1, 2, 3):
+        cmd += ["--events", str(bs.event_log_path(n))]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    verdict: dict[str, Any] = json.loads((out / "verdict.json").read_text())
+    return proc, verdict

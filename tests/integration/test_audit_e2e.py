@@ -6,8 +6,6 @@ run as an operator runs it, and every check passes."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -17,6 +15,7 @@ from typing import Any
 import pika
 import pika.exceptions
 import pytest
+from brokerclients import run_audit
 
 from cpgbroker.audit.history import HistoryRecorder, decode_body, encode_body, producer_name
 from cpgbroker.dev.brokers import BrokerSet
@@ -206,30 +205,8 @@ def test_a_run_with_a_killed_member_audits_green(
     brokers.stop_all()  # the survivors flush their event logs
 
     # The fault log of this test only (the dev cluster is shared by the session's tests).
-    faults = tmp_path / "faults.jsonl"
-    lines = (cluster.base / "faults.jsonl").read_text().splitlines()
-    faults.write_text("".join(line + "\n" for line in lines if json.loads(line)["t_ns"] >= started))
     out = tmp_path / "audit"
-    cmd = [
-        sys.executable,
-        "-m",
-        "cpgbroker",
-        "audit",
-        "--out",
-        str(out),
-        "--master",
-        "local[2]",
-        "--conf",
-        "spark.sql.shuffle.partitions=4",
-        "--history",
-        str(histories),
-        "--faults",
-        str(faults),
-    ]
-    for n in (1, 2, 3):
-        cmd += ["--events", str(brokers.event_log_path(n))]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
-    verdict = json.loads((out / "verdict.json").read_text())
+    proc, verdict = run_audit(brokers, histories, started, tmp_path, timeout=900)
     assert proc.returncode == 0, (proc.stderr[-3000:], json.dumps(verdict["checks"], indent=1))
     assert verdict["ok"] and json.loads(proc.stdout)["ok"]
     checks = verdict["checks"]

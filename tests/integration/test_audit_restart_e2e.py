@@ -8,8 +8,6 @@ divergence between the sequence numbers before and after it) and reports the res
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +17,7 @@ from typing import Any
 import pika
 import pika.exceptions
 import pytest
+from brokerclients import run_audit
 
 from cpgbroker.audit.history import HistoryRecorder, decode_body, encode_body, producer_name
 from cpgbroker.dev.brokers import BrokerSet
@@ -252,30 +251,8 @@ def test_a_run_with_a_whole_cluster_restart_audits_green(
         assert len(clients.must_consume) > confirmed_before  # and the clients went on after it
     bs.stop_all()  # the members flush their event logs
 
-    faults = tmp_path / "faults.jsonl"
-    lines = (cluster.base / "faults.jsonl").read_text().splitlines()
-    faults.write_text("".join(line + "\n" for line in lines if json.loads(line)["t_ns"] >= started))
     out = tmp_path / "audit"
-    cmd = [
-        sys.executable,
-        "-m",
-        "cpgbroker",
-        "audit",
-        "--out",
-        str(out),
-        "--master",
-        "local[2]",
-        "--conf",
-        "spark.sql.shuffle.partitions=4",
-        "--history",
-        str(histories),
-        "--faults",
-        str(faults),
-    ]
-    for n in (1, 2, 3):
-        cmd += ["--events", str(bs.event_log_path(n))]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
-    verdict = json.loads((out / "verdict.json").read_text())
+    proc, verdict = run_audit(bs, histories, started, tmp_path, timeout=300)
     assert proc.returncode == 0, (proc.stderr[-3000:], json.dumps(verdict["checks"], indent=1))
     assert verdict["ok"] and all(c["status"] != "fail" for c in verdict["checks"].values())
 
