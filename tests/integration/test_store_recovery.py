@@ -37,6 +37,12 @@ def _declare(ch: Any, queues: list[str]) -> None:
     ch.queue_bind("tmp.q", "dur.x", queues[0])
 
 
+def _declare_on(bs: BrokerSet, queues: list[str]) -> None:
+    c = connect(bs, 1)
+    _declare(c.channel(), queues)
+    c.close()
+
+
 def _publish_confirmed(bs: BrokerSet, node: int, queue: str, n: int, tag: str) -> list[bytes]:
     conn = connect(bs, node)
     ch = conn.channel()
@@ -217,9 +223,7 @@ def test_confirmed_persistent_messages_survive_kill_9_of_every_member(stored: Br
 
 def test_a_cluster_stop_and_start_keeps_queues_exchanges_and_messages(stored: BrokerSet) -> None:
     bs = stored
-    c = connect(bs, 1)
-    _declare(c.channel(), ["s.stop"])
-    c.close()
+    _declare_on(bs, ["s.stop"])
     sent = _publish_confirmed(bs, 2, "s.stop", 300, "stop")
     code, answer = bs.control(1, "/stop", {})
     assert code == 202, answer
@@ -235,9 +239,7 @@ def test_a_cluster_stop_and_start_keeps_queues_exchanges_and_messages(stored: Br
 
 def test_the_freshest_store_wins_even_when_a_stale_member_starts_first(stored: BrokerSet) -> None:
     bs = stored
-    c = connect(bs, 1)
-    _declare(c.channel(), ["s.fresh"])
-    c.close()
+    _declare_on(bs, ["s.fresh"])
     early = _publish_confirmed(bs, 1, "s.fresh", 50, "early")
     bs.kill(3)  # member 3's store stops here: stale from now on
     late = _publish_confirmed(bs, 1, "s.fresh", 50, "late")
@@ -250,9 +252,7 @@ def test_the_freshest_store_wins_even_when_a_stale_member_starts_first(stored: B
 
 def test_a_member_with_its_store_deleted_is_updated_from_the_others(stored: BrokerSet) -> None:
     bs = stored
-    c = connect(bs, 1)
-    _declare(c.channel(), ["s.del"])
-    c.close()
+    _declare_on(bs, ["s.del"])
     sent = _publish_confirmed(bs, 2, "s.del", 100, "del")
     _kill_all(bs)
     shutil.rmtree(bs.store_path(2))
@@ -263,9 +263,7 @@ def test_a_member_with_its_store_deleted_is_updated_from_the_others(stored: Brok
 
 def test_the_last_member_standing_restarts_alone_with_force_boot(stored: BrokerSet) -> None:
     bs = stored
-    c = connect(bs, 1)
-    _declare(c.channel(), ["s.last"])
-    c.close()
+    _declare_on(bs, ["s.last"])
     first = _publish_confirmed(bs, 1, "s.last", 40, "first")
     bs.kill(2)
     bs.kill(3)
@@ -366,9 +364,7 @@ def test_a_member_whose_disk_fills_leaves_and_nothing_confirmed_is_lost(
     bs = own_set(store_options="free_disk_limit_mib = 0")
     small_disk(bs, 2, 6)
     bs.start_all(timeout=60)
-    c = connect(bs, 1)
-    _declare(c.channel(), ["s.full1", "s.full2"])
-    c.close()
+    _declare_on(bs, ["s.full1", "s.full2"])
     confirmed: dict[str, list[bytes]] = {"s.full1": [], "s.full2": []}
     body = b"x" * 1000
 
@@ -410,9 +406,7 @@ def test_a_store_corrupted_before_its_tail_is_set_aside_and_its_member_updated(
     stored: BrokerSet,
 ) -> None:
     bs = stored
-    c = connect(bs, 1)
-    _declare(c.channel(), ["s.corrupt"])
-    c.close()
+    _declare_on(bs, ["s.corrupt"])
     sent = _publish_confirmed(bs, 3, "s.corrupt", 200, "corrupt")
     code, answer = bs.control(1, "/stop", {})
     assert code == 202, answer
@@ -437,9 +431,7 @@ def test_with_recover_with_majority_two_members_restart_the_cluster_and_the_thir
     broker_set: Callable[..., BrokerSet],
 ) -> None:
     bs = broker_set(store=True, store_options='recover_with = "majority"')
-    c = connect(bs, 1)
-    _declare(c.channel(), ["s.major"])
-    c.close()
+    _declare_on(bs, ["s.major"])
     sent = _publish_confirmed(bs, 2, "s.major", 100, "major")
     _kill_all(bs)
     _restart(bs, [3, 1])  # member 2 stays down
