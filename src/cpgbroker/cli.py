@@ -30,6 +30,11 @@ def main(argv: list[str] | None = None) -> int:
         "newer); see docs/operations.md",
     )
     sub.add_parser("devcluster", help="local corosync cluster in network namespaces")
+    sub.add_parser(
+        "hash-password",
+        help="read a password on stdin (or prompt for it) and print its password_hash for "
+        "[[users]] (RabbitMQ's salted SHA-256 format)",
+    )
     sub.add_parser("audit", help="audit a cluster run's logs and client histories (PySpark)")
     status = sub.add_parser("status", help="show a running broker's status")
     status.add_argument(
@@ -70,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         from cpgbroker.runtime import main as runtime_main
 
         return runtime_main.main(config_path=ns.config, listen=ns.listen, force_boot=ns.force_boot)
+    if ns.command == "hash-password":
+        return _hash_password()
     if ns.command == "status":
         return _status(ns.url, ns.json)
     if ns.command in ("cluster", "member"):
@@ -133,6 +140,23 @@ def _stop(url: str, member: int, timeout: float, token: str = "") -> int:
         time.sleep(0.2)
     print(f"cpgbroker: {base} still answers after {timeout:.0f} s", file=sys.stderr)
     return 1
+
+
+def _hash_password() -> int:
+    import getpass
+    import os
+
+    from cpgbroker.model import auth
+
+    if sys.stdin.isatty():
+        password = getpass.getpass("password: ")
+    else:
+        password = sys.stdin.readline().rstrip("\n")
+    if not password:
+        print("cpgbroker: empty password", file=sys.stderr)
+        return 2
+    print(auth.hash_password(password, os.urandom(auth.SALT_BYTES)))
+    return 0
 
 
 def _status(url: str, as_json: bool) -> int:

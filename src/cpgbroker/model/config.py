@@ -18,6 +18,9 @@ class User:
     # the cluster, and channels across all of them. None: no limit (RabbitMQ's -1).
     max_connections: int | None = None
     max_channels: int | None = None
+    # Instead of ``password``: a salted hash in RabbitMQ's format (model/auth.py).
+    password_hash: str = ""
+    hashing_algorithm: str = "rabbit_password_hashing_sha256"
 
 
 @attrs.frozen

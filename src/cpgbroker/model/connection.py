@@ -38,6 +38,7 @@ from cpgbroker.errors import (
     InvariantError,
     ReplyCode,
 )
+from cpgbroker.model.auth import password_ok
 from cpgbroker.model.channel import CONNECTION_CLASS, Channels, decode_method, method_name
 from cpgbroker.model.config import BrokerConfig
 from cpgbroker.model.confirms import Confirms
@@ -55,7 +56,7 @@ from cpgbroker.model.entities import (
     OPEN,
     Connection,
 )
-from cpgbroker.model.events import ClientConnected
+from cpgbroker.model.events import ClientConnected, LoginRefused
 from cpgbroker.model.limits import check_connection_open
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output
@@ -498,16 +499,29 @@ class Connections:
                 table = decode.field_table(data)[1]
                 user, password = str(table.get("LOGIN")), str(table.get("PASSWORD"))
         else:
+            self._out.effect(LoginRefused(conn.id, "", str(mechanism), "unsupported mechanism"))
             self._refuse_login(conn, f"unsupported authentication mechanism '{mechanism}'")
             return
         u = self._users.get(user or "")
-        if u is None or u.password != password or (u.loopback_only and not conn.loopback):
+        why = ""
+        if user is None:
+            why = "malformed credentials"
+        elif u is None:
+            why = "no such user"
+        elif not password_ok(u, password or ""):
+            why = "wrong password"
+        elif u.loopback_only and not conn.loopback:
+            why = "user may only connect via localhost"
+        if why:
+            # The owner logs who and why; the client is told to look there.
+            self._out.effect(LoginRefused(conn.id, user or "", str(mechanism), why))
             self._refuse_login(
                 conn,
                 f"Login was refused using authentication mechanism {mechanism}. "
                 "For details see the broker logfile.",
             )
             return
+        assert u is not None
         conn.user = u.name
         cfg = self._config
         self._send_method(

@@ -154,10 +154,22 @@ class WantOutput:
 
 @attrs.frozen
 class Throttle:
-    """Stop (``paused``) or resume reading from ``conn``: the broker is over its memory mark."""
+    """Stop (``paused``) or resume reading from ``conn``: publishers are blocked (memory mark,
+    disk alarm) or a queue holds this publisher back (queue flow)."""
 
     conn: int
     paused: bool
 
 
-Effect = Send | CloseConnection | WantOutput | Throttle
+@attrs.frozen
+class LoginRefused:
+    """The client of ``conn`` was refused at login: its owner logs who and why (the client
+    is told to see the log). Never carries the secret."""
+
+    conn: int
+    user: str
+    mechanism: str
+    why: str
+
+
+Effect = Send | CloseConnection | WantOutput | Throttle | LoginRefused

@@ -42,6 +42,7 @@ from cpgbroker.model.events import (
     DoOutput,
     Effect,
     Event,
+    LoginRefused,
     Send,
     Throttle,
     Tick,
@@ -228,6 +229,16 @@ class Node:
                     self._gate.hold_close(lc, eff.reason)  # type: ignore[union-attr]
                     continue
                 self.begin_close(lc, eff.reason)  # type: ignore[union-attr]
+            elif t is LoginRefused:
+                # Who and why, never the secret (the client was told to see the log).
+                log.warning(
+                    "login refused conn=%s peer=%s user=%r mechanism=%s reason=%r",
+                    eff.conn,
+                    lc.peer,
+                    eff.user,  # type: ignore[union-attr]
+                    eff.mechanism,  # type: ignore[union-attr]
+                    eff.why,  # type: ignore[union-attr]
+                )
             elif t is Throttle:
                 lc.paused = eff.paused  # type: ignore[union-attr]
                 if not lc.paused:

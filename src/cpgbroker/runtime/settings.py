@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 
 from cpgbroker.errors import ConfigError
+from cpgbroker.model import auth
 from cpgbroker.model.config import BrokerConfig, User
 from cpgbroker.store.store import FSYNC_POLICIES, RECOVER_WITH, StoreSettings
 
@@ -139,7 +140,9 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
         users = tuple(
             User(
                 name=_req(u, "name", "users"),
-                password=_req(u, "password", "users"),
+                password=_password(u),
+                password_hash=str(u.get("password_hash", "")),
+                hashing_algorithm=str(u.get("hashing_algorithm", auth.DEFAULT_ALGORITHM)),
                 vhosts=tuple(u.get("vhosts", ["/"])),
                 loopback_only=bool(u.get("loopback_only", False)),
                 tags=tuple(u.get("tags", [])),
@@ -326,6 +329,22 @@ def _count_limit(d: dict[str, Any], key: str, section: str) -> int | None:
     if isinstance(v, bool) or not isinstance(v, int) or v < -1:
         raise ConfigError(f"[{section}] {key} must be an integer, -1 for no limit")
     return None if v == -1 else v
+
+
+def _password(u: dict[str, Any]) -> str:
+    """A user has ``password`` or ``password_hash`` (RabbitMQ's format), not both."""
+    name = u.get("name", "?")
+    if ("password" in u) == ("password_hash" in u):
+        raise ConfigError(f"[[users]] {name!r} needs either password or password_hash")
+    if "password_hash" in u:
+        algo = str(u.get("hashing_algorithm", auth.DEFAULT_ALGORITHM))
+        if not auth.valid_hash(str(u["password_hash"]), algo):
+            raise ConfigError(
+                f"[[users]] {name!r}: password_hash is not a {algo} hash in RabbitMQ's format "
+                "(make one with `cpgbroker hash-password`)"
+            )
+        return ""
+    return str(u["password"])
 
 
 def _req(d: dict[str, Any], key: str, section: str) -> Any:
