@@ -157,6 +157,15 @@ class EventLog:
         self.faults.pop("disk-full", None)
         self.failed = None
 
+    def flush(self) -> None:
+        """Hand what is buffered to the OS (the member does every tick, so a kill -9 loses at
+        most one tick's records)."""
+        if self.file is not None and self.failed is None:
+            try:
+                self.file.flush()
+            except OSError as e:
+                self.failed = e
+
     def close(self) -> None:
         f, self.file = self.file, None
         if f is not None:

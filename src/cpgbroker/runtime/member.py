@@ -866,8 +866,11 @@ class ClusterNode:
     async def cluster_ticker(self) -> None:
         interval = self.config.tick_ms / 1000
         membership = self.membership
+        events = self.eventlog
         while True:
             await trio.sleep(interval)
+            # Written in 64 KiB chunks otherwise: a kill -9 would lose far more than a tick.
+            events.flush()
             if membership.state == READY and membership.clock_master == self.member:
                 await self.multicast.submit(Tick(self.io.now_ms()))
 
