@@ -4,6 +4,7 @@ rebuilds exactly the model the member had there (docs/operations.md, "The store"
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -25,7 +26,7 @@ from cpgbroker.model.events import (
     Tick,
 )
 from cpgbroker.store import meta, records
-from cpgbroker.store.disk import SimDisk, StoreCorrupt
+from cpgbroker.store.disk import OsDisk, SimDisk, StoreCorrupt
 from cpgbroker.store.store import Store, StoreMismatch, StoreSettings
 from workload import generate
 
@@ -255,3 +256,17 @@ def test_a_store_whose_replacement_never_finished_starts_afresh() -> None:
     rec = _store(disk).recover(b.config)
     assert rec is not None and rec.seq == 10
     assert snapshot.digest(rec.broker) == snapshot.digest(fresh)
+
+
+def test_recovery_from_a_snapshot_on_the_real_file_system(tmp_path: Path) -> None:
+    events = generate(21, steps=300)
+    settings_ = StoreSettings(str(tmp_path / "s"), segment_bytes=4096, snapshot_bytes=3000)
+    store = Store(settings_, "g", 5, disk=OsDisk())
+    store.open(1, lambda _s: None, lambda _e: None)
+    b = Broker()
+    _feed(store, b, events)
+    assert store.snapshots_taken >= 2
+    store.close(clean=True, last_seq=b.event_seq)
+    rec = Store(settings_, "g", 5, disk=OsDisk()).recover(b.config)
+    assert rec is not None and rec.clean and rec.seq == len(events)
+    assert snapshot.digest(rec.broker) == snapshot.digest(b)

@@ -34,12 +34,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
+import io
 import os
 import posixpath
 import random
 import threading
 from collections import deque
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 from cpgbroker.errors import CpgBrokerError
 
@@ -79,6 +80,10 @@ class Disk(Protocol):
     def exists(self, path: str) -> bool: ...
 
     def read(self, path: str) -> bytes: ...
+
+    def open_read(self, path: str) -> BinaryIO:
+        """A file to read from the start (big files: read in pieces, not whole)."""
+        ...
 
     def size(self, path: str) -> int: ...
 
@@ -172,6 +177,9 @@ class OsDisk:
     def read(self, path: str) -> bytes:
         with open(path, "rb") as f:
             return f.read()
+
+    def open_read(self, path: str) -> BinaryIO:
+        return open(path, "rb", buffering=1 << 20)
 
     def size(self, path: str) -> int:
         return os.stat(path).st_size
@@ -437,6 +445,9 @@ class SimDisk:
     def read(self, path: str) -> bytes:
         with self._lock:
             return bytes(self._file(path).data)
+
+    def open_read(self, path: str) -> BinaryIO:
+        return io.BytesIO(self.read(path))
 
     def size(self, path: str) -> int:
         with self._lock:

@@ -37,7 +37,6 @@ and never touches the event loop: the runtime passes callbacks.
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import time
@@ -216,7 +215,9 @@ class Store:
                     f"{spath}: offset 0: the snapshot the store starts from is missing"
                 )
             p.snapshot_bytes = disk.size(spath)
-            broker = snapfile.read(io.BytesIO(disk.read(spath)), spath, config)
+            # Streamed: a snapshot of a large state is not held whole beside the model.
+            with disk.open_read(spath) as f:
+                broker = snapfile.read(f, spath, config)
             if broker.event_seq != m.base_seq:
                 raise StoreCorrupt(
                     f"{spath}: holds event {broker.event_seq}, the metadata says {m.base_seq}"
