@@ -93,3 +93,18 @@ def test_with_a_store_quorum_durable_confirms_need_that_many_ready_members() -> 
     assert p.durable_stable(500, [ME, A], quorum=2) == 500
     assert p.durable_stable(500, [ME], quorum=2) == 0  # alone: no majority of stores
     assert p.durable_stable(500, [ME]) == 500  # "all": the stores of those serving
+
+
+def test_a_store_reports_once_for_confirms_that_wait_for_it() -> None:
+    p = PeerProgress(ME, max_lag=100_000)
+    # A confirm that waits for the stores, at event 50, not yet on our disk: no report now...
+    assert not p.confirms_moved(shadow=1, shadow_durable=1, seq=50, durable=49)
+    p.durable_reported = 40  # our last report (a store that never reported is due at once)
+    assert not p.durable_report_due(49)
+    # ... but once the store holds it.
+    assert p.durable_report_due(50)
+    p.durable_reported = 50
+    # A plain confirm needs the report of what we applied at once.
+    assert p.confirms_moved(shadow=2, shadow_durable=1, seq=51, durable=50)
+    # A durable one the store already holds: at once too.
+    assert p.confirms_moved(shadow=3, shadow_durable=2, seq=52, durable=52)

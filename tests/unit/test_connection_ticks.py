@@ -1,4 +1,4 @@
-"""Connection ticks (``Connections.on_tick`` over ``connection.Deadlines``' due-heap) behave
+"""Connection ticks (``Connections.on_tick`` over ``deadlines.Deadlines``' due-heap) behave
 exactly as the full sweep of every connection did (``full_sweep`` below): same effects in the
 same order and same state digest after every event of random workloads with many connections,
 heartbeats both ways, handshake and close timeouts, connection errors, requeues that send to
@@ -16,7 +16,8 @@ from pamqp import commands as C
 
 from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker
-from cpgbroker.model.connection import Connections, next_due
+from cpgbroker.model.connection import Connections
+from cpgbroker.model.deadlines import next_due
 from cpgbroker.model.entities import CLOSING, OPEN
 from cpgbroker.model.events import (
     ClientConnected,

@@ -57,9 +57,7 @@ def _digests(events: list[Event]) -> list[str]:
 def _feed(store: Store, broker: Broker, events: list[Event]) -> None:
     for ev in events:
         broker.apply(ev)
-        store.append(broker.event_seq, ev)
-        if store.due_snapshot():
-            store.snapshot(broker)
+        assert store.record(broker.event_seq, ev, broker) is None
 
 
 @pytest.mark.parametrize(

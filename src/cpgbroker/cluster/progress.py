@@ -56,6 +56,13 @@ class PeerProgress:
         self.applied: dict[int, int] = {}
         # What each member reported its store holds (durable confirms wait for every one).
         self.durable: dict[int, int] = {}
+        # Our own durable reports (members with a store): the durable seq our last report
+        # carried; the last event that gave another member's client a confirm waiting for our
+        # store; the model's counts of such confirms and of the others when last looked at.
+        self.durable_reported = 0
+        self.durable_wanted_at = 0
+        self.durable_confirms_seen = 0
+        self.transient_confirms_seen = 0
         # The model's count of other members' clients' confirms when we last asked to report.
         self.confirms_seen = 0
         # A report is due (confirms wait for it); when the last one left alone; until when a
@@ -118,6 +125,35 @@ class PeerProgress:
             return 0
         durable, me = self.durable, self.me
         return min(own if m == me else durable.get(m, 0) for m in ready)
+
+    # -- when our own reports are due
+    def confirms_moved(self, shadow: int, shadow_durable: int, seq: int, durable: int) -> bool:
+        """(A member with a store.) At event ``seq`` the model's counts of confirms for other
+        members' clients moved (``shadow`` in all, ``shadow_durable`` of them waiting for the
+        stores); our store holds up to ``durable``. Whether to report now: confirms that wait
+        for the stores are released by our store's report (:meth:`durable_report_due`), so a
+        report of what we applied helps only the others, or a store already holding ``seq``."""
+        transient = shadow - shadow_durable
+        now = transient != self.transient_confirms_seen
+        self.transient_confirms_seen = transient
+        if shadow_durable != self.durable_confirms_seen:
+            self.durable_confirms_seen = shadow_durable
+            self.durable_wanted_at = seq
+            now = now or durable >= seq
+        return now
+
+    def durable_report_due(self, durable: int) -> bool:
+        """Our store now holds up to ``durable``: whether to report it."""
+        last = self.durable_reported
+        return (
+            last < self.durable_wanted_at <= durable
+            # Keep the others' view of our store fresh (their flow control counts it) when it
+            # catches up after falling behind.
+            or durable - last >= self.every
+            # It vouches for the first time in this incarnation (it was replaced by a state
+            # update): confirms the others hold may have waited for just that.
+            or (last == 0 and durable > 0)
+        )
 
     # -- pacing of our own reports
     def want_report(self, now: float, answer_expected: bool) -> bool:

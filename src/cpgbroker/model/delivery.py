@@ -304,7 +304,7 @@ class Delivery:
                         self._flow.published(conn, q)
                 else:
                     refused = True
-            if durable and msg.delivery_mode == 2:
+            if durable and msg.delivery_mode == 2 and (ch.confirm or ch.tx):
                 # Its confirm (or the commit-ok of its transaction) waits for the stores.
                 self._out.persisted(conn)
         if ch.confirm:

@@ -164,14 +164,6 @@ class ClusterNode:
         self.restarted = restarted
         # This member's durable store (None: memory only). It journals every applied event.
         self.store = store
-        # The last event at which a confirm for another member's client was produced, and the
-        # durable seq last reported: the others' durable confirms wait for our store's report.
-        self._shadow_confirm_seq = 0
-        self._durable_reported = 0
-        # The model's counts of other members' clients' durable and other confirms when this
-        # member last looked (a report for the others goes only when the kind it serves moved).
-        self._durable_confirms_seen = 0
-        self._transient_confirms_seen = 0
         # Its state must not be offered again when it rejoins (it holds what the serving
         # members do not): merged back on the smaller side, or applied an event the cluster
         # failed while it was catching up.
@@ -335,9 +327,12 @@ class ClusterNode:
 
     def report(self) -> bytes:
         """Our progress report as of now (at least the events that asked for it)."""
+        return self._progress_report(self.applied_seq())
+
+    def _progress_report(self, seq: int) -> bytes:
         durable = self.durable_seq()
-        self._durable_reported = durable
-        return codec.encode(Progress(self.member, self.applied_seq(), durable))
+        self.progress.durable_reported = durable
+        return codec.encode(Progress(self.member, seq, durable))
 
     def _release_stable(self) -> None:
         self.confirms.release(
@@ -351,15 +346,7 @@ class ClusterNode:
             return
         if self.confirms.holding:
             self._release_stable()
-        if self.membership.state == READY and (
-            self._durable_reported < self._shadow_confirm_seq <= seq
-            # Keep the others' view of our store fresh (their flow control counts it) when
-            # it catches up after falling behind.
-            or seq - self._durable_reported >= self.progress.every
-            # Our store vouches for the first time in this incarnation (it was replaced by a
-            # state update): confirms the others hold may have waited for just that.
-            or (self._durable_reported == 0 and seq > 0)
-        ):
+        if self.membership.state == READY and self.progress.durable_report_due(seq):
             self.multicast.report_soon(False)
         self.multicast.progress_changed()
 
@@ -433,22 +420,15 @@ class ClusterNode:
 
     def _report_for_confirms(self) -> None:
         broker = self.broker
-        self.progress.confirms_seen = broker.shadow_confirms
-        if self.store is not None:
-            durable = broker.shadow_durable_confirms
-            if durable != self._durable_confirms_seen:
-                self._durable_confirms_seen = durable
-                # Our store's report releases these: on_durable sends it once the store holds
-                # this event (unless it already does).
-                self._shadow_confirm_seq = broker.event_seq
-                if (
-                    broker.shadow_confirms - durable == self._transient_confirms_seen
-                    and self.durable_seq() < broker.event_seq
-                ):
-                    return  # nothing else waits for a report of what we applied
-            self._transient_confirms_seen = broker.shadow_confirms - durable
-        else:
-            self._shadow_confirm_seq = broker.event_seq
+        progress = self.progress
+        progress.confirms_seen = broker.shadow_confirms
+        if self.store is not None and not progress.confirms_moved(
+            broker.shadow_confirms,
+            broker.shadow_durable_confirms,
+            broker.event_seq,
+            self.durable_seq(),
+        ):
+            return  # our store's report releases them (on_durable)
         if self.suspended is not None or self.membership.state != READY:
             return
         self.multicast.report_soon(self.io.answer_expected)
@@ -589,7 +569,7 @@ class ClusterNode:
         store = self.store
         if store is not None:
             seq = self.broker.event_seq
-            err = store.failed
+            err = store.record(seq, e, self.broker, failed)
             if err is not None:
                 # The store could not write (or fsync) an event: it can no longer vouch for
                 # what this member applies. Whether the member may go on is the cluster's call
@@ -597,9 +577,6 @@ class ClusterNode:
                 name = errno.errorcode.get(err.errno or 0, "EIO")
                 self.errorchecks.local_error(seq, f"store-write: {name}", str(err), e, sender)
                 return
-            store.append(seq, e, failed)
-            if store.due_snapshot():
-                store.snapshot(self.broker)
         events = self.eventlog
         if events.file is not None:
             seq = self.broker.event_seq
@@ -617,9 +594,7 @@ class ClusterNode:
         if self.stall.owed:
             self.errorchecks.pay_owed(seq)
         if seq % self.progress.every == 0:
-            durable = self.durable_seq()
-            self._durable_reported = durable
-            self.multicast.send_control(codec.encode(Progress(self.member, seq, durable)))
+            self.multicast.send_control(self._progress_report(seq))
         if seq % self.checkpoints.every == 0:
             self.checkpoints.take(seq, self.broker)
 

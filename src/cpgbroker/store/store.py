@@ -354,18 +354,22 @@ class Store:
         """The last event this store would recover (0 while it is being replaced)."""
         return 0 if self.replacing else self._synced
 
-    def append(self, seq: int, event: Any, failed: bool = False) -> None:
-        if seq != self.next_seq:
-            raise StoreError(f"journal expects event {self.next_seq}, not {seq}")
+    def record(self, seq: int, event: Any, broker: Broker, failed: bool = False) -> OSError | None:
+        """Journal event ``seq`` (``broker`` has just applied it, or the cluster failed it),
+        and snapshot ``broker`` if the journal has grown enough since the last one. Returns
+        the store's write error instead, if it has one: it can then vouch for nothing more.
+        Per event: an encode and a queue append (the syncer checks the sequence)."""
+        if self.failed is not None:
+            return self.failed
         self.next_seq = seq + 1
         payload = records.encode(event, failed)
         self.journal_bytes += len(payload) + 16
         syncer = self.syncer
         assert syncer is not None
         syncer.submit(seq, payload)
-
-    def due_snapshot(self) -> bool:
-        return self.snapshotting is None and self.journal_bytes >= self.settings.snapshot_bytes
+        if self.journal_bytes >= self.settings.snapshot_bytes and self.snapshotting is None:
+            self.snapshot(broker)
+        return None
 
     def replace(self, broker: Broker) -> None:
         """A state update installed ``broker``: it replaces what the store held. The journal
