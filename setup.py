@@ -1,4 +1,4 @@
-"""Build hook for the compiled corosync bindings (libcpg and libvotequorum); all package
+"""Build hook for the compiled corosync bindings (libcpg, libvotequorum and libcmap); all package
 metadata is in pyproject.toml."""
 
 from setuptools import setup
@@ -7,5 +7,6 @@ setup(
     cffi_modules=[
         "cffi_build/build_cpg.py:ffibuilder",
         "cffi_build/build_quorum.py:ffibuilder",
+        "cffi_build/build_cmap.py:ffibuilder",
     ]
 )

@@ -7,6 +7,7 @@
     python bench/broker_bench.py --cluster --realtime --only q_rate1000_1K_confirm --repeat 5
     python bench/broker_bench.py --cluster --store --rabbitmq   # durable: stores on, persistent
                                                                  # messages on a durable queue
+    python bench/broker_bench.py --cluster --tls --only q_1p1c_1K_confirm  # amqp and amqps
 
 Load comes from the shared ``amqp_load.py`` (its raw client costs ~20 us per message, so the
 broker is what is measured); RabbitMQ nodes from the shared ``rabbitmq_baseline.sh`` (private
@@ -48,11 +49,23 @@ CLUSTER = {
 
 
 def load(
-    shared: Path, urls: list[str], pids: list[int], args: list[str], secs: float
+    shared: Path,
+    urls: list[str],
+    pids: list[int],
+    args: list[str],
+    secs: float,
+    cafile: str | None = None,
 ) -> dict[str, Any]:
+    """One run of the shared load generator; over amqps:// URLs (trusting ``cafile``) through
+    our TLS wrapper of it, ``amqps_load.py``."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
-    cmd = [sys.executable, str(shared / "bench" / "amqp_load.py"), "--json-out", out]
+    if cafile is None:
+        cmd = [sys.executable, str(shared / "bench" / "amqp_load.py"), "--json-out", out]
+    else:
+        wrapper = Path(__file__).with_name("amqps_load.py")
+        cmd = [sys.executable, str(wrapper), "--cafile", cafile, "--shared", str(shared)]
+        cmd += ["--json-out", out]
     cmd += [a for u in urls for a in ("--url", u)]
     cmd += [a for p in pids for a in ("--broker-pid", str(p))]
     cmd += ["--seconds", str(secs), "--queue", "bench_q", *args]
@@ -212,14 +225,22 @@ def run_ours_cluster(
     names: list[str] | None = None,
     repeat: int = 1,
     store: bool = False,
+    tls: bool = False,
 ) -> dict[str, Any]:
     from cpgbroker.dev.brokers import BrokerSet
     from cpgbroker.dev.cluster import DevCluster
 
     dc = DevCluster(3, prefix=f"bench-{os.getpid() % 100000}", token_ms=3000, realtime=realtime)
     out: dict[str, Any] = {}
+    certs = Path(tempfile.mkdtemp(prefix="cpgb-bench-tls-")) if tls else None
     with dc:  # up on enter, down on exit
-        brokers = BrokerSet(dc, event_log=False, store=store)
+        brokers = BrokerSet(
+            dc,
+            event_log=False,
+            store=store,
+            tls=tls,
+            extra_config=tls_config(certs) if certs is not None else "",
+        )
         brokers.start_all()
         urls = [brokers.url(n) for n in (1, 2, 3)]
         pids = [p.pid for p in brokers.procs.values()]
@@ -255,10 +276,31 @@ def run_ours_cluster(
                         for i, pid in enumerate(pids)
                     }
                 print(f"cpgbroker cluster {name}: {out[name]}", file=sys.stderr)
+                if certs is not None:
+                    # The same load over amqps, on the same cluster, right after.
+                    tls_urls = [brokers.tls_url(n) for n in (1, 2, 3)]
+                    ca = str(certs / "ca.pem")
+                    runs = [
+                        summary(load(shared, tls_urls, pids, args, secs, ca)) for _ in range(repeat)
+                    ]
+                    out[f"{name}_tls"] = median_run(runs)
+                    print(f"cpgbroker cluster {name}_tls: {out[name + '_tls']}", file=sys.stderr)
             out["converged_digest"] = brokers.converged([1, 2, 3], timeout=60)
         finally:
             brokers.stop_all()
     return out
+
+
+def tls_config(directory: Path) -> str:
+    """Test certificates (trustme, from the test extra) in ``directory``: the ``[tls]`` section
+    of the members (RabbitMQ's defaults otherwise: no client certificates)."""
+    import trustme
+
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    ca.cert_pem.write_to_path(str(directory / "ca.pem"))
+    server.private_key_and_cert_chain_pem.write_to_path(str(directory / "server.pem"))
+    return f'\n[tls]\ncertfile = "{directory / "server.pem"}"\n'
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -324,7 +366,15 @@ def main() -> int:
         help="with --cluster: run each configuration this often on the same cluster and report "
         "the run with the median p99 (RabbitMQ still runs once)",
     )
+    ap.add_argument(
+        "--tls",
+        action="store_true",
+        help="with --cluster: run each configuration over amqp and then over amqps (TLS 1.2+, "
+        "test certificates; reported as NAME_tls) on the same cluster",
+    )
     args = ap.parse_args()
+    if args.tls and not args.cluster:
+        ap.error("--tls needs --cluster")
     started = time.time()
     if args.cluster:
         names = args.only.split(",") if args.only else list(CLUSTER)
@@ -332,7 +382,13 @@ def main() -> int:
         if unknown:
             ap.error(f"unknown configuration(s): {', '.join(unknown)}")
         ours = run_ours_cluster(
-            args.shared, args.seconds, args.realtime, names, max(1, args.repeat), args.store
+            args.shared,
+            args.seconds,
+            args.realtime,
+            names,
+            max(1, args.repeat),
+            args.store,
+            args.tls,
         )
     else:
         ours = run_ours_standalone(args.shared, args.seconds)
@@ -341,6 +397,7 @@ def main() -> int:
         "mode": "cluster" if args.cluster else "standalone",
         "corosync_realtime": args.realtime,
         "store": args.store,
+        "tls": args.tls,
         "cpgbroker": ours,
     }
     if args.rabbitmq:

@@ -8,8 +8,12 @@ SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
 # default-jre-headless: Java 17, for the PySpark audit job (`cpgbroker audit`) and its tests.
+# systemd: `systemd-analyze verify` checks configs/systemd/cpgbroker.service in the tests
+# (minimal images leave it out; nothing here needs systemd running).
+# vagrant: `vagrant validate` checks vagrant/Vagrantfile in the tests (no hypervisor needed).
 APT_PACKAGES=(corosync libcpg-dev libcorosync-common-dev libquorum-dev libvotequorum-dev
-  libcmap-dev libqb-dev gcc python3-dev python3-venv iproute2 procps default-jre-headless)
+  libcmap-dev libqb-dev gcc python3-dev python3-venv iproute2 procps default-jre-headless
+  systemd vagrant)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -29,4 +33,4 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
 .venv/bin/python -m pip install -q -e ".[test]"
-.venv/bin/python -c "import cpgbroker, cpgbroker.corosync.cpg, cpgbroker.corosync.votequorum" && echo "setup: cpgbroker installed in .venv"
+.venv/bin/python -c "import cpgbroker, cpgbroker.corosync.cpg, cpgbroker.corosync.votequorum, cpgbroker.corosync.cmap" && echo "setup: cpgbroker installed in .venv"

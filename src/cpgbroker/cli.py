@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cpgbroker.runtime.adminclient import AdminTarget
+
+
+# Where a deployment keeps the member's configuration (``cluster init``, the systemd unit).
+DEFAULT_CONFIG = "/etc/cpgbroker/cpgbroker.toml"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,38 +44,90 @@ def main(argv: list[str] | None = None) -> int:
         "[[users]] (RabbitMQ's salted SHA-256 format)",
     )
     sub.add_parser("audit", help="audit a cluster run's logs and client histories (PySpark)")
-    status = sub.add_parser("status", help="show a running broker's status")
-    status.add_argument(
-        "--url",
-        default="http://127.0.0.1:15672/status",
-        help="its status endpoint ([server] admin)",
-    )
-    status.add_argument("--json", action="store_true", help="print the raw JSON")
+    # How the CLI reaches a member's admin endpoint and proves it may (the admin secret).
     admin_url = argparse.ArgumentParser(add_help=False)
     admin_url.add_argument(
         "--url",
-        default="http://127.0.0.1:15672",
-        help="the status endpoint ([server] admin) of any serving member",
+        default=None,
+        help="the admin endpoint ([server] admin) of a member (default: the one in --config, "
+        "else http://127.0.0.1:15672)",
     )
     admin_url.add_argument(
-        "--timeout", type=float, default=60.0, help="seconds to wait for the member(s) to stop"
+        "--config",
+        default=None,
+        help="the member's cpgbroker.toml: its admin address and secret file (default: "
+        f"{DEFAULT_CONFIG} if it exists)",
+    )
+    admin_url.add_argument(
+        "--secret-file",
+        default=None,
+        help="the member's admin secret file (default: the config's admin_secret_file, else "
+        "~/.cpgbroker/admin.secret); $CPGBROKER_ADMIN_SECRET_FILE also works",
     )
     admin_url.add_argument(
         "--token",
         default=None,
-        help="[server] admin_token of the member (default: $CPGBROKER_ADMIN_TOKEN)",
+        help="the member's [server] admin_token, if it has one (default: $CPGBROKER_ADMIN_TOKEN)",
+    )
+    admin_url.add_argument(
+        "--cacert",
+        default=None,
+        help="CA certificate to verify an https admin endpoint with (default: the config's "
+        "[tls] cacertfile)",
+    )
+    status = sub.add_parser("status", parents=[admin_url], help="show a running broker's status")
+    status.add_argument("--json", action="store_true", help="print the raw JSON")
+    stop_opts = argparse.ArgumentParser(add_help=False)
+    stop_opts.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds to wait for the member(s) to stop"
     )
     cluster = sub.add_parser("cluster", help="act on the whole cluster")
     cluster_sub = cluster.add_subparsers(dest="action", required=True)
+    init = cluster_sub.add_parser(
+        "init",
+        help="write a production deployment's files: corosync.conf (encrypted), authkey, and "
+        "each node's cpgbroker.toml (docs/operations.md, 'Deploying three machines')",
+    )
+    init.add_argument(
+        "--node",
+        action="append",
+        required=True,
+        metavar="NAME=ADDRESS",
+        help="a node: its name and the address corosync and clients use (repeat per node)",
+    )
+    init.add_argument("--out", required=True, help="directory to write into (must not hold them)")
+    init.add_argument("--name", default="cpgbroker", help="corosync cluster_name")
+    init.add_argument("--group", default="cpgbroker", help="CPG group of the members")
+    init.add_argument("--user", default="admin", help="the AMQP user to create")
+    init.add_argument("--amqp-port", type=int, default=5672)
+    init.add_argument("--admin-port", type=int, default=15672)
+    init.add_argument("--token-ms", type=int, default=3000, help="corosync token timeout")
+    init.add_argument(
+        "--service-user",
+        default="cpgbroker",
+        help="the user the broker runs as (the systemd unit's): corosync grants it IPC",
+    )
+    init.add_argument(
+        "--prefix",
+        default="",
+        help="prepend this to every path written into the files (a test deploying 'machines' "
+        "as directories of one host)",
+    )
+    init.add_argument(
+        "--seed-file",
+        default=None,
+        help="derive the authkey and password from this file's bytes instead of random ones, "
+        "so that machines provisioned separately from one seed write identical shared files",
+    )
     cluster_sub.add_parser(
         "stop",
-        parents=[admin_url],
+        parents=[admin_url, stop_opts],
         help="stop every member cleanly at the same point of the event order",
     )
     member = sub.add_parser("member", help="act on one member")
     member_sub = member.add_subparsers(dest="action", required=True)
     member_stop = member_sub.add_parser(
-        "stop", parents=[admin_url], help="stop one member (the others serve on)"
+        "stop", parents=[admin_url, stop_opts], help="stop one member (the others serve on)"
     )
     member_stop.add_argument("id", type=int, help="member id (see cpgbroker status)")
     ns = parser.parse_args(args)
@@ -77,13 +137,19 @@ def main(argv: list[str] | None = None) -> int:
         return runtime_main.main(config_path=ns.config, listen=ns.listen, force_boot=ns.force_boot)
     if ns.command == "hash-password":
         return _hash_password()
-    if ns.command == "status":
-        return _status(ns.url, ns.json)
-    if ns.command in ("cluster", "member"):
-        import os
+    if ns.command == "cluster" and ns.action == "init":
+        return _cluster_init(ns)
+    if ns.command in ("status", "cluster", "member"):
+        from cpgbroker.errors import ConfigError
 
-        token = ns.token if ns.token is not None else os.environ.get("CPGBROKER_ADMIN_TOKEN", "")
-        return _stop(ns.url, getattr(ns, "id", 0), ns.timeout, token)
+        try:
+            target = _admin_target(ns)
+        except ConfigError as e:
+            print(f"cpgbroker: {e}", file=sys.stderr)
+            return 1
+        if ns.command == "status":
+            return _status(target, ns.json)
+        return _stop(target, getattr(ns, "id", 0), ns.timeout)
     parser.error(f"unknown command {ns.command}")
     return 2
 
@@ -92,38 +158,71 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-def _admin_base(url: str) -> str:
-    url = url.rstrip("/")
-    return url[: -len("/status")] if url.endswith("/status") else url
+def _admin_target(ns: argparse.Namespace) -> AdminTarget:
+    from cpgbroker.runtime import adminclient
+
+    return adminclient.target(
+        url=ns.url,
+        config_path=ns.config,
+        default_config=DEFAULT_CONFIG,
+        secret_file=ns.secret_file,
+        token=ns.token,
+        cacert=ns.cacert,
+    )
 
 
-def _stop(url: str, member: int, timeout: float, token: str = "") -> int:
+def _cluster_init(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from cpgbroker.deploy import init
+    from cpgbroker.errors import ConfigError
+
+    try:
+        seed = Path(ns.seed_file).read_bytes() if ns.seed_file else None
+        if seed is not None and len(seed) < 32:
+            raise ConfigError(f"--seed-file {ns.seed_file} holds fewer than 32 bytes")
+        opts = init.InitOptions(
+            nodes=tuple(init.parse_node(n) for n in ns.node),
+            cluster_name=ns.name,
+            group=ns.group,
+            prefix=ns.prefix,
+            amqp_port=ns.amqp_port,
+            admin_port=ns.admin_port,
+            user=ns.user,
+            token_ms=ns.token_ms,
+            seed=seed,
+            service_user=ns.service_user,
+        )
+        result = init.write(opts, Path(ns.out))
+    except (ConfigError, OSError) as e:
+        print(f"cpgbroker: {e}", file=sys.stderr)
+        return 1
+    for path in result.files:
+        print(f"wrote {path}")
+    print(f"AMQP user {ns.user!r}: its password is in {result.password_file}")
+    return 0
+
+
+def _refused(base: str, http: int, answer: dict[str, object]) -> int:
+    print(f"cpgbroker: {base} refused ({http}): {answer.get('error', '')}", file=sys.stderr)
+    return 1
+
+
+def _stop(target: AdminTarget, member: int, timeout: float) -> int:
     """POST /stop to one member; it multicasts the request and answers where in the event
     order it took effect. For a cluster stop, then wait until that member has stopped."""
-    import json
     import time
-    import urllib.error
-    import urllib.request
 
-    base = _admin_base(url)
-    body = json.dumps({"member": member} if member else {}).encode()
-    headers = {"Content-Type": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    req = urllib.request.Request(base + "/stop", data=body, headers=headers, method="POST")
+    from cpgbroker.runtime.adminclient import request
+
+    base = target.base
     try:
-        with urllib.request.urlopen(req, timeout=15) as resp:
-            answer = json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        try:
-            why = json.loads(e.read()).get("error", e.reason)
-        except ValueError:
-            why = e.reason
-        print(f"cpgbroker: {base} refused: {why}", file=sys.stderr)
-        return 1
-    except (urllib.error.URLError, OSError) as e:
+        http, answer = request(target, "POST", "/stop", {"member": member} if member else {})
+    except OSError as e:
         print(f"cpgbroker: cannot reach {base}: {e}", file=sys.stderr)
         return 1
+    if http >= 300:
+        return _refused(base, http, answer)
     what = "the cluster" if not member else f"member {member}"
     print(f"stopping {what} at event {answer.get('at_seq')}")
     if member:
@@ -132,9 +231,8 @@ def _stop(url: str, member: int, timeout: float, token: str = "") -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(base + "/status", timeout=2):
-                pass
-        except (urllib.error.URLError, OSError):
+            request(target, "GET", "/status", timeout=2)
+        except OSError:
             print("stopped")
             return 0
         time.sleep(0.2)
@@ -159,18 +257,18 @@ def _hash_password() -> int:
     return 0
 
 
-def _status(url: str, as_json: bool) -> int:
+def _status(target: AdminTarget, as_json: bool) -> int:
     import json
-    import urllib.error
-    import urllib.request
 
-    url = _admin_base(url) + "/status"
+    from cpgbroker.runtime.adminclient import request
+
     try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            data = json.loads(resp.read())
-    except (urllib.error.URLError, OSError) as e:
-        print(f"cpgbroker: cannot reach {url}: {e}", file=sys.stderr)
+        http, data = request(target, "GET", "/status", timeout=5)
+    except OSError as e:
+        print(f"cpgbroker: cannot reach {target.base}: {e}", file=sys.stderr)
         return 1
+    if http >= 300:
+        return _refused(target.base, http, data)
     if as_json:
         print(json.dumps(data, indent=2))
         return 0

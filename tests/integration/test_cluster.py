@@ -15,6 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
+import attrs
 import pika
 import pika.exceptions
 import pytest
@@ -23,6 +24,7 @@ from brokerclients import connect, drain, queues
 
 from cpgbroker.dev.brokers import BrokerSet
 from cpgbroker.dev.cluster import DevCluster
+from cpgbroker.runtime import adminclient
 
 pytestmark = pytest.mark.integration
 
@@ -408,7 +410,16 @@ def test_status_command_shows_members_and_queues(brokers: BrokerSet) -> None:
     c.channel().queue_declare("visible")
     brokers.converged([1, 2, 3])  # member 2 may apply the declare a moment after member 1
     out = subprocess.run(
-        [sys.executable, "-m", "cpgbroker", "status", "--url", brokers.admin(2)],
+        [
+            sys.executable,
+            "-m",
+            "cpgbroker",
+            "status",
+            "--url",
+            brokers.admin(2),
+            "--secret-file",
+            str(brokers.secret_path()),
+        ],
         capture_output=True,
         text=True,
         timeout=30,
@@ -419,13 +430,59 @@ def test_status_command_shows_members_and_queues(brokers: BrokerSet) -> None:
     assert "connections: 0 local, 1 shadow" in out.stdout
     js = json.loads(
         subprocess.run(
-            [sys.executable, "-m", "cpgbroker", "status", "--url", brokers.admin(2), "--json"],
+            [
+                sys.executable,
+                "-m",
+                "cpgbroker",
+                "status",
+                "--url",
+                brokers.admin(2),
+                "--json",
+                "--secret-file",
+                str(brokers.secret_path()),
+            ],
             capture_output=True,
             text=True,
             timeout=30,
         ).stdout
     )
     assert len(js["members"]) == 3 and all(m["status"] == "ready" for m in js["members"])
+
+
+def test_the_admin_plane_refuses_calls_without_the_secret_on_loopback_too(
+    brokers: BrokerSet,
+) -> None:
+    def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "cpgbroker", *args, "--url", brokers.admin(1)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "HOME": "/nonexistent", **env},
+        )
+
+    # No secret at all: the CLI finds none to send.
+    out = cli("cluster", "stop")
+    assert out.returncode == 1 and "no admin secret" in out.stderr, out.stderr
+    # The endpoint itself, asked without one or with a wrong one (loopback, as every test).
+    target = brokers.admin_target(1)
+    wrong = "not-the-secret-7f3a"
+    for secret, code in (("", 401), (wrong, 403)):
+        http, answer = adminclient.request(attrs.evolve(target, secret=secret), "GET", "/status")
+        assert http == code and "error" in answer and "state" not in answer
+        http, _ = adminclient.request(attrs.evolve(target, secret=secret), "POST", "/stop", {})
+        assert http == code
+    out = cli("cluster", "stop", "--token", wrong)
+    assert out.returncode == 1 and "refused (403)" in out.stderr, out.stderr
+    out = cli("status", "--token", wrong)
+    assert out.returncode == 1 and "refused (403)" in out.stderr, out.stderr
+    # Nothing stopped: every member still serves, and the refusals are in the member's log.
+    for n in (1, 2, 3):
+        s = brokers.status(n)
+        assert s is not None and s["state"] == "ready" and not s.get("stopping")
+    log = brokers.log_path(1).read_text()
+    assert "admin request refused" in log and "peer=127.0.0.1" in log
+    assert wrong not in log and target.secret not in log
 
 
 def test_a_stalled_member_holds_back_traffic_instead_of_unbounded_buffering(

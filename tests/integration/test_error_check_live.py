@@ -128,7 +128,17 @@ def test_cluster_stop_under_load_stops_every_member_at_the_same_event(
     for p in pubs:
         load_until(p, 100)
     out = subprocess.run(
-        [sys.executable, "-m", "cpgbroker", "cluster", "stop", "--url", brokers.admin(2)],
+        [
+            sys.executable,
+            "-m",
+            "cpgbroker",
+            "cluster",
+            "stop",
+            "--url",
+            brokers.admin(2),
+            "--secret-file",
+            str(brokers.secret_path()),
+        ],
         capture_output=True,
         text=True,
         timeout=90,
@@ -162,6 +172,8 @@ def test_member_stop_stops_one_member_and_the_others_serve_on(brokers: BrokerSet
             str(target),
             "--url",
             brokers.admin(1),
+            "--secret-file",
+            str(brokers.secret_path()),
         ],
         capture_output=True,
         text=True,

@@ -214,7 +214,16 @@ def test_confirmed_persistent_messages_survive_kill_9_of_every_member(stored: Br
         s = bs.status(n)
         assert s is not None and s["store"]["durable_seq"] > 0
     shown = subprocess.run(
-        [sys.executable, "-m", "cpgbroker", "status", "--url", bs.admin(2)],
+        [
+            sys.executable,
+            "-m",
+            "cpgbroker",
+            "status",
+            "--url",
+            bs.admin(2),
+            "--secret-file",
+            str(bs.secret_path()),
+        ],
         capture_output=True,
         text=True,
         check=True,

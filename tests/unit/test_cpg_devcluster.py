@@ -47,6 +47,7 @@ def test_config_from_the_shipped_template() -> None:
         addresses=["10.213.9.1", "10.213.9.2"],
         logfile="/x/n1/corosync.log",
         state_dir="/x/n1/state",
+        keyfile="/x/authkey",
     )
     assert "@" not in text
     for needle in (
@@ -61,6 +62,10 @@ def test_config_from_the_shipped_template() -> None:
         # All nodes share this machine's cores: corosync at nice -10, not real-time.
         "\n    sched_rr: no\n",
         "priority: -10",
+        # Encrypted as in production: members refuse a plaintext ring that is not loopback.
+        "crypto_cipher: aes256",
+        "crypto_hash: sha256",
+        "keyfile: /x/authkey",
     ):
         assert needle in text
     assert "\n    sched_rr: yes\n" not in text

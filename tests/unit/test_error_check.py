@@ -365,7 +365,8 @@ async def test_control_requests_with_bad_bodies_get_400_and_the_endpoint_lives_o
         stream = await trio.open_tcp_stream("127.0.0.1", port)
         async with stream:
             await stream.send_all(
-                b"POST /stop HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+                b"POST /stop HTTP/1.0\r\nAuthorization: Bearer s3cret\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
             )
             out = b""
             while chunk := await stream.receive_some(4096):
@@ -374,7 +375,7 @@ async def test_control_requests_with_bad_bodies_get_400_and_the_endpoint_lives_o
 
     async with trio.open_nursery() as nursery:
         _host, port = await nursery.start(
-            admin.serve_admin, "127.0.0.1:0", lambda _d: {"state": "ready"}, control
+            admin.serve_admin, "127.0.0.1:0", lambda _d: {"state": "ready"}, control, "s3cret"
         )
         assert (await post(port, b"[" * 5000)).startswith(b"HTTP/1.0 400")
         assert (await post(port, b"[1, 2]")).startswith(b"HTTP/1.0 400")
@@ -428,49 +429,4 @@ async def test_a_forked_checkpoint_digest_agrees_with_one_computed_inline() -> N
             assert last is not None and last.agreed, last
         assert not a.checkpoints.digesting
         assert a.checkpoints.forked_digests >= 8 and b.checkpoints.forked_digests == 0
-        nursery.cancel_scope.cancel()
-
-
-def test_control_requests_need_the_token_or_a_loopback_endpoint() -> None:
-    from cpgbroker.runtime.admin import control_refusal
-
-    assert control_refusal("127.0.0.1", "", "") is None
-    assert control_refusal("::1", "", "") is None
-    code, why = control_refusal("10.0.0.5", "", "") or (0, "")
-    assert code == 403 and "admin_token" in why
-    assert control_refusal("10.0.0.5", "t0ken", "Bearer t0ken") is None
-    assert control_refusal("127.0.0.1", "t0ken", "bearer t0ken") is None
-    for wrong in ("", "Bearer nope", "Basic t0ken", "t0ken"):
-        assert (control_refusal("127.0.0.1", "t0ken", wrong) or (0,))[0] == 401, wrong
-
-
-async def test_a_control_request_without_the_token_is_refused_over_http() -> None:
-    from cpgbroker.runtime import admin
-
-    calls: list[str] = []
-
-    async def control(path: str, args: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        calls.append(path)
-        return 202, {}
-
-    async def post(port: int, auth: bytes) -> bytes:
-        stream = await trio.open_tcp_stream("127.0.0.1", port)
-        async with stream:
-            await stream.send_all(
-                b"POST /stop HTTP/1.0\r\n" + auth + b"Content-Length: 2\r\n\r\n{}"
-            )
-            out = b""
-            while chunk := await stream.receive_some(4096):
-                out += chunk
-            return out
-
-    async with trio.open_nursery() as nursery:
-        _h, port = await nursery.start(
-            admin.serve_admin, "127.0.0.1:0", lambda _d: {}, control, "s3cret"
-        )
-        assert (await post(port, b"")).startswith(b"HTTP/1.0 401")
-        assert (await post(port, b"Authorization: Bearer wrong\r\n")).startswith(b"HTTP/1.0 401")
-        assert calls == []
-        assert (await post(port, b"Authorization: Bearer s3cret\r\n")).startswith(b"HTTP/1.0 202")
-        assert calls == ["/stop"]
         nursery.cancel_scope.cancel()

@@ -76,7 +76,7 @@ from cpgbroker.runtime import watchdog
 what, seconds, max_apply = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
 w = watchdog.spawn(1.0)
 mark = watchdog.ApplyMark()
-feeder = watchdog.BusyFeeder(w, mark, 0.2, max_apply)
+feeder = watchdog.BusyFeeder(lambda: watchdog.feed(w), mark, 0.2, max_apply)
 feeder.start()
 for _ in range(3):
     watchdog.feed(w); time.sleep(0.2)

@@ -37,6 +37,7 @@ from cpgbroker.model.entities import (
 from cpgbroker.model.exchange import Binding, Exchange
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output
+from cpgbroker.model.permissions import Permissions
 from cpgbroker.model.queueflow import QueueFlow
 from cpgbroker.model.topology import Topology
 from cpgbroker.model.transactions import Transactions
@@ -77,6 +78,7 @@ COMPONENTS = (
     Channels,
     Connections,
     QueueFlow,
+    Permissions,
 )
 # Component attributes that are transient between events or replica-local statistics
 # (configuration is compared: equal by construction).

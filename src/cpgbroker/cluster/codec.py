@@ -35,7 +35,8 @@ MAGIC = 0xCB
 # 2: Hello carries the state a member kept when its partition lost quorum.
 # 3: error-check rounds and stop requests.
 # 4: progress reports carry the durable sequence; disk alarms.
-FORMAT = 4
+# 5: a connection says whether it came over TLS and whom its client certificate names.
+FORMAT = 5
 
 T_DATA = 1
 T_CONNECTED = 2
@@ -50,6 +51,10 @@ T_PROGRESS = 12
 T_UPDATE_REQUEST = 13
 T_ERROR_CHECK = 14
 T_STOP = 15
+
+# ClientConnected's flags.
+F_LOOPBACK = 1
+F_TLS = 2
 
 STATUS_NEW = 0
 STATUS_READY = 1
@@ -175,8 +180,9 @@ def encode(ev: Any) -> bytes:
         return (
             _U8.pack(T_CONNECTED)
             + _CONN.pack(*split_conn(ev.conn))
-            + _U8.pack(1 if ev.loopback else 0)
+            + _U8.pack((F_LOOPBACK if ev.loopback else 0) | (F_TLS if ev.tls else 0))
             + _str(ev.peer)
+            + _str(ev.cert_user)
         )
     if t is ClientDisconnected:
         return _U8.pack(T_DISCONNECTED) + _CONN.pack(*split_conn(ev.conn)) + _str(ev.reason)
@@ -276,9 +282,19 @@ def decode_batch(data: bytes, sender: int) -> list[Any]:
                 p += 12
                 conn = (member << 32) | counter
                 if t == T_CONNECTED:
-                    loopback = bool(data[p])
+                    flags = data[p]
                     peer, p = _read_str(data, p + 1)
-                    out.append(ClientConnected(conn, member, peer, loopback))
+                    cert_user, p = _read_str(data, p)
+                    out.append(
+                        ClientConnected(
+                            conn,
+                            member,
+                            peer,
+                            bool(flags & F_LOOPBACK),
+                            bool(flags & F_TLS),
+                            cert_user,
+                        )
+                    )
                 elif t == T_DISCONNECTED:
                     reason, p = _read_str(data, p)
                     out.append(ClientDisconnected(conn, reason))

@@ -18,12 +18,13 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from cpgbroker.dev.cluster import DevCluster, DevClusterError
+from cpgbroker.errors import ConfigError
+from cpgbroker.runtime import adminclient
+from cpgbroker.runtime import secret as admin_secret
 
 PROCESS = "broker"
 
@@ -58,6 +59,7 @@ class BrokerSet:
         store: bool = False,
         fsync: str = "always",
         store_options: str = "",
+        tls: bool = False,
     ) -> None:
         self.dc = dc
         # Give each member a durable store (``store_path``), with this fsync policy.
@@ -79,6 +81,13 @@ class BrokerSet:
             free = free_ports(2 * len(dc.nodes))
             ports = {n.nodeid: (free[2 * i], free[2 * i + 1]) for i, n in enumerate(dc.nodes)}
         self.ports = ports
+        # An amqps listener per member too (``tls_url``); the ``[tls]`` section (certificates)
+        # comes with ``extra_config``.
+        self.tls_ports: dict[int, int] = {}
+        if tls:
+            used = {p for pair in ports.values() for p in pair}
+            spare = [p for p in free_ports(3 * len(dc.nodes)) if p not in used]
+            self.tls_ports = {n.nodeid: spare[i] for i, n in enumerate(dc.nodes)}
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
     # -- persistence (for `cpgbroker devcluster` commands run as separate processes)
@@ -127,8 +136,22 @@ class BrokerSet:
     def url(self, nodeid: int) -> str:
         return f"amqp://guest:guest@127.0.0.1:{self.ports[nodeid][0]}/"
 
+    def tls_url(self, nodeid: int) -> str:
+        return f"amqps://guest:guest@127.0.0.1:{self.tls_ports[nodeid]}/"
+
     def admin(self, nodeid: int) -> str:
         return f"http://127.0.0.1:{self.ports[nodeid][1]}/status"
+
+    def secret_path(self) -> Path:
+        """The admin secret every member of this set shares (the first to start writes it):
+        ``cpgbroker status --secret-file`` takes it."""
+        return self.dc.base / f"{self.name}.admin.secret"
+
+    def admin_target(self, nodeid: int) -> adminclient.AdminTarget:
+        return adminclient.AdminTarget(
+            f"http://127.0.0.1:{self.ports[nodeid][1]}",
+            admin_secret.read_secret(self.secret_path()),
+        )
 
     def log_path(self, nodeid: int) -> Path:
         return Path(self.dc.node(nodeid).dir) / f"{self.name}.log"
@@ -149,7 +172,12 @@ class BrokerSet:
             "[server]",
             f'listen = ["127.0.0.1:{amqp}"]',
             f'admin = "127.0.0.1:{admin}"',
+            f'admin_secret_file = "{self.secret_path()}"',
             "shutdown_grace = 2.0",
+        ]
+        if nodeid in self.tls_ports:
+            lines.append(f'listen_tls = ["127.0.0.1:{self.tls_ports[nodeid]}"]')
+        lines += [
             "",
             "[cluster]",
             f'group = "{self.group}"',
@@ -263,29 +291,22 @@ class BrokerSet:
 
     # -- observation
     def status(self, nodeid: int, digest: bool = False) -> dict[str, Any] | None:
-        url = self.admin(nodeid) + ("?digest=1" if digest else "")
         try:
-            with urllib.request.urlopen(url, timeout=5) as resp:
-                data: dict[str, Any] = json.loads(resp.read())
-                return data
-        except (urllib.error.URLError, OSError, ValueError):
+            http, data = adminclient.request(
+                self.admin_target(nodeid),
+                "GET",
+                "/status" + ("?digest=1" if digest else ""),
+                timeout=5,
+            )
+        except (OSError, ValueError, ConfigError):
+            # Not up yet (no endpoint, or no secret written yet), or gone.
             return None
+        return data if http == 200 else None
 
     def control(self, nodeid: int, path: str, args: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """POST a control request (``/stop``, ``/faults``) to a member's status endpoint; the
         HTTP status and the JSON answer."""
-        url = self.admin(nodeid).rsplit("/", 1)[0] + path
-        req = urllib.request.Request(
-            url,
-            data=json.dumps(args).encode(),
-            headers={"Content-Type": "application/json"},
-            method="POST",
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=15) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read() or b"{}")
+        return adminclient.request(self.admin_target(nodeid), "POST", path, args)
 
     def converged(self, nodes: list[int], timeout: float = 20.0) -> str:
         """Wait until ``nodes`` applied the same events and hold the same state; the digest.

@@ -199,6 +199,8 @@ def _main(args: argparse.Namespace) -> int:
             print(f"brokers ready after {time.monotonic() - t0:.1f} s; AMQP URLs:")
             for n in cluster.nodes:
                 print(f"  {brokers.url(n.nodeid)}    status: {brokers.admin(n.nodeid)}")
+            # The members' admin endpoints answer only with their secret (cpgbroker status).
+            print(f"admin secret: --secret-file {brokers.secret_path()}")
         return 0
     if args.command == "down":
         try:
@@ -227,6 +229,7 @@ def _main(args: argparse.Namespace) -> int:
                     entry["broker"] = {
                         "url": dev_brokers.url(nid),
                         "status_url": dev_brokers.admin(nid),
+                        "admin_secret_file": str(dev_brokers.secret_path()),
                         "status": broker_status.get(nid),
                     }
             print(

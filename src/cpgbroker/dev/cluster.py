@@ -40,6 +40,7 @@ from cpgbroker.dev.corosynctools import (
     parse_quorumtool,
     remove_shm_leftovers,
     render_config,
+    write_authkey,
 )
 from cpgbroker.dev.netns import DevClusterError as DevClusterError
 from cpgbroker.dev.netns import find_tool, list_netns, pid_alive, proc_state
@@ -163,6 +164,9 @@ class DevCluster:
         self.base = self.state_root / prefix
         self.template = Path(template) if template is not None else None
         self.owner_pid = owner_pid
+        # Nodes whose corosync.conf was written elsewhere (a deployment's, `cluster init`):
+        # used as is instead of the template (not saved: for the process that calls up()).
+        self.corosync_configs: dict[int, Path] = {}
         self.subnet = self._pick_subnet()
         self.hub_netns = f"{prefix}-hub"
         self.nodes: list[Node] = [
@@ -287,6 +291,8 @@ class DevCluster:
         self._save()
         try:
             self._create_network()
+            if not self.authkey.exists():
+                write_authkey(self.authkey)
             for node in self.nodes:
                 self._write_config(node, template)
             for node in self.nodes:
@@ -344,6 +350,11 @@ class DevCluster:
         node_ns = re.escape(self.prefix) + r"-n\d+"
         return ns == self.hub_netns or re.fullmatch(node_ns, ns) is not None
 
+    @property
+    def authkey(self) -> Path:
+        """The corosync key every node of this cluster shares."""
+        return self.base / "authkey"
+
     def _create_network(self) -> None:
         netns.add_hub(self.hub_netns)
         for node in self.nodes:
@@ -358,6 +369,10 @@ class DevCluster:
         d = Path(node.dir)
         for sub in ("run", "state"):
             (d / sub).mkdir(parents=True, exist_ok=True)
+        given = self.corosync_configs.get(node.nodeid)
+        if given is not None:
+            (d / "corosync.conf").write_text(given.read_text())
+            return
         text = render_config(
             template,
             cluster_name=self.prefix,
@@ -365,6 +380,7 @@ class DevCluster:
             addresses=[n.address for n in self.nodes],
             logfile=str(d / "corosync.log"),
             state_dir=str(d / "state"),
+            keyfile=str(self.authkey),
             realtime=self.realtime,
         )
         (d / "corosync.conf").write_text(text)

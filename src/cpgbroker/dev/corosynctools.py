@@ -45,6 +45,7 @@ def render_config(
     addresses: Sequence[str],
     logfile: str,
     state_dir: str,
+    keyfile: str = "",
     realtime: bool = False,
 ) -> str:
     """Fill in the corosync.conf template; every ``@NAME@`` field must be known."""
@@ -58,6 +59,7 @@ def render_config(
         "NODELIST": nodelist,
         "LOGFILE": logfile,
         "STATE_DIR": state_dir,
+        "KEYFILE": keyfile,
         "SCHED_RR": "yes" if realtime else "no",
     }
 
@@ -68,6 +70,14 @@ def render_config(
             raise DevClusterError(f"unknown field @{m.group(1)}@ in the template") from None
 
     return re.sub(r"@([A-Z_]+)@", substitute, template)
+
+
+def write_authkey(path: Path) -> None:
+    """A random corosync authkey (what ``corosync-keygen`` writes: 256 bytes), readable by its
+    owner only, as corosync wants."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o400)
+    with os.fdopen(fd, "wb") as f:
+        f.write(os.urandom(256))
 
 
 def remove_shm_leftovers(pids: Iterable[int]) -> list[str]:

@@ -32,6 +32,7 @@ component         module                 owns
 ``clock``         ``output.py``          cluster time (written here, on ticks)
 ``out``           ``output.py``          one event's effects; shadow-confirm count
 ``mark``          ``memory.py``          queued body bytes, whether publishers are blocked
+``permissions``   ``permissions.py``     users' compiled permissions, cached results
 ``topology``      ``topology.py``        vhosts, exchanges, queues, bindings, member list,
                                          the queue timer indexes
 ``confirms``      ``confirms.py``        publisher-confirm bookkeeping
@@ -74,6 +75,7 @@ from cpgbroker.model.events import (
 )
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output
+from cpgbroker.model.permissions import Permissions
 from cpgbroker.model.queueflow import QueueFlow
 from cpgbroker.model.topology import Topology, VHost
 from cpgbroker.model.transactions import Transactions
@@ -95,8 +97,15 @@ class Broker:
         self.clock = Clock()
         self.out = Output(self.clock)
         self.mark = MemoryMark(cfg, self.connections, self.out)
+        self.permissions = Permissions(cfg.users)
         self.topology = Topology(
-            cfg.vhosts, cfg.member_urls, self.clock, self.out, self.mark, self.connections
+            cfg.vhosts,
+            cfg.member_urls,
+            self.clock,
+            self.out,
+            self.mark,
+            self.connections,
+            self.permissions,
         )
         self.confirms = Confirms(self.out)
         self.flow = QueueFlow(cfg.queue_flow_messages, self.out, self.mark)
@@ -110,9 +119,12 @@ class Broker:
             self.topology.ttl_queues,
             self.connections,
             self.flow,
+            self.permissions,
         )
         self.topology.on_failover_bind = self.delivery.publish_members
-        self.consumers = Consumers(self.clock, self.out, self.mark, self.topology, self.delivery)
+        self.consumers = Consumers(
+            self.clock, self.out, self.mark, self.topology, self.delivery, self.permissions
+        )
         self.transactions = Transactions(
             self.out, self.mark, self.topology.vhosts, self.delivery, self.consumers
         )

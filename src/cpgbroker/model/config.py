@@ -5,11 +5,28 @@ from __future__ import annotations
 
 import attrs
 
+# RabbitMQ's permission pattern for "every resource" (what ``vhosts = [...]`` grants).
+ALL = ".*"
+
+
+@attrs.frozen
+class Permission:
+    """A user's rights on one vhost, as RabbitMQ's ``set_permissions``: three regular
+    expressions over queue and exchange names (model/permissions.py applies them). ""
+    grants nothing."""
+
+    vhost: str
+    configure: str = ALL
+    write: str = ALL
+    read: str = ALL
+
 
 @attrs.frozen
 class User:
     name: str
     password: str
+    # Shorthand for full permissions (".*" three times) on each of these vhosts; an entry of
+    # ``permissions`` for the same vhost takes its place.
     vhosts: tuple[str, ...] = ("/",)
     # RabbitMQ's rule for the default user: guest may only log in from loopback.
     loopback_only: bool = False
@@ -21,6 +38,17 @@ class User:
     # Instead of ``password``: a salted hash in RabbitMQ's format (model/auth.py).
     password_hash: str = ""
     hashing_algorithm: str = "rabbit_password_hashing_sha256"
+    permissions: tuple[Permission, ...] = ()
+
+    def grants(self) -> tuple[Permission, ...]:
+        """The user's permissions, one per vhost it may open: ``permissions`` first, then
+        full permissions on each vhost of ``vhosts`` that they do not name."""
+        named = {p.vhost for p in self.permissions}
+        return self.permissions + tuple(Permission(v) for v in self.vhosts if v not in named)
+
+    def may_open(self, vhost: str) -> bool:
+        """RabbitMQ's rule: any permissions on a vhost, even three "", let a user open it."""
+        return vhost in self.vhosts or any(p.vhost == vhost for p in self.permissions)
 
 
 @attrs.frozen

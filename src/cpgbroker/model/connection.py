@@ -104,6 +104,18 @@ _STATE_NAMES = {
 CLOSE_TIMEOUT_MS = 3000
 # How long a client may take from TCP connect to connection.open (RabbitMQ: 10 s).
 HANDSHAKE_TIMEOUT_MS = 10000
+# connection.start's mechanisms. Over TLS also EXTERNAL (a client certificate names the user),
+# as RabbitMQ offers it on every TLS connection, with or without a certificate: a client that
+# asks for it without one is then refused with a reason in the log, rather than failing to
+# agree on a mechanism.
+MECHANISMS = "PLAIN AMQPLAIN"
+MECHANISMS_TLS = "PLAIN AMQPLAIN EXTERNAL"
+# Why an EXTERNAL login with no name from a verified certificate is refused (logged).
+NO_CERT_USER = "connection peer presented no verified TLS (x.509) certificate with a name"
+# RabbitMQ's text for every refused login: the details go to the log only.
+_REFUSED_TEXT = (
+    "Login was refused using authentication mechanism {}. For details see the broker logfile."
+)
 
 SERVER_CAPABILITIES = {
     "publisher_confirms": True,
@@ -194,6 +206,8 @@ class Connections:
             peer=ev.peer,
             loopback=ev.loopback,
             reader=FrameReader(self._config.frame_max),
+            tls=ev.tls,
+            cert_user=ev.cert_user,
             last_rx_ms=now,
             last_tx_ms=now,
             close_deadline=now + HANDSHAKE_TIMEOUT_MS,
@@ -370,7 +384,9 @@ class Connections:
             conn,
             0,
             commands.Connection.Start(
-                server_properties=props, mechanisms="PLAIN AMQPLAIN", locales="en_US"
+                server_properties=props,
+                mechanisms=MECHANISMS_TLS if conn.tls else MECHANISMS,
+                locales="en_US",
             ),
         )
 
@@ -401,6 +417,14 @@ class Connections:
             else:
                 table = decode.field_table(data)[1]
                 user, password = str(table.get("LOGIN")), str(table.get("PASSWORD"))
+        elif mechanism == "EXTERNAL" and conn.tls:
+            # The certificate proved who the client is; its response is not looked at, and
+            # the user's password is not checked (RabbitMQ's rabbitmq_auth_mechanism_ssl).
+            user = conn.cert_user
+            if not user:
+                self._out.effect(LoginRefused(conn.id, "", "EXTERNAL", NO_CERT_USER))
+                self._refuse_login(conn, _REFUSED_TEXT.format(mechanism))
+                return
         else:
             self._out.effect(LoginRefused(conn.id, "", str(mechanism), "unsupported mechanism"))
             self._refuse_login(conn, f"unsupported authentication mechanism '{mechanism}'")
@@ -411,18 +435,14 @@ class Connections:
             why = "malformed credentials"
         elif u is None:
             why = "no such user"
-        elif not password_ok(u, password or ""):
+        elif mechanism != "EXTERNAL" and not password_ok(u, password or ""):
             why = "wrong password"
         elif u.loopback_only and not conn.loopback:
             why = "user may only connect via localhost"
         if why:
             # The owner logs who and why; the client is told to look there.
             self._out.effect(LoginRefused(conn.id, user or "", str(mechanism), why))
-            self._refuse_login(
-                conn,
-                f"Login was refused using authentication mechanism {mechanism}. "
-                "For details see the broker logfile.",
-            )
+            self._refuse_login(conn, _REFUSED_TEXT.format(mechanism))
             return
         assert u is not None
         conn.user = u.name
@@ -473,7 +493,7 @@ class Connections:
         if vhost not in self._topology.vhosts:
             raise ConnectionError_(R.NOT_ALLOWED, f"vhost {vhost} not found")
         user = self._users[conn.user]
-        if vhost not in user.vhosts:
+        if not user.may_open(vhost):
             raise ConnectionError_(
                 R.NOT_ALLOWED, f"access to vhost '{vhost}' refused for user '{conn.user}'"
             )

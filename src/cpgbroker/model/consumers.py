@@ -46,6 +46,7 @@ from cpgbroker.model.entities import (
 )
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output
+from cpgbroker.model.permissions import READ, Permissions
 from cpgbroker.model.queueargs import amqp_type
 from cpgbroker.model.topology import Topology, generated_name
 from cpgbroker.wire import fastpath as fp
@@ -87,7 +88,15 @@ def _unlink(q: Queue, c: Consumer) -> bool:
 
 
 class Consumers:
-    __slots__ = ("_clock", "_delivery", "_dispatch", "_out", "_release", "_topology")
+    __slots__ = (
+        "_clock",
+        "_delivery",
+        "_dispatch",
+        "_out",
+        "_permissions",
+        "_release",
+        "_topology",
+    )
 
     def __init__(
         self,
@@ -96,11 +105,13 @@ class Consumers:
         mark: MemoryMark,
         topology: Topology,
         delivery: Delivery,
+        permissions: Permissions,
     ) -> None:
         self._clock = clock
         self._out = out
         self._topology = topology
         self._delivery = delivery
+        self._permissions = permissions
         # Bound once: these run per ack.
         self._release = mark.release
         self._dispatch = delivery.dispatch
@@ -118,7 +129,9 @@ class Consumers:
         self._delivery.dispatch_channel(ch)
 
     def b_consume(self, conn: Connection, ch: Channel, m: Any) -> None:
-        q = self._topology.queue(conn, ch, m.queue)
+        name = self._topology.queue_name(conn, ch, m.queue)
+        self._permissions.check(conn, READ, "queue", name)
+        q = self._topology.queue(conn, ch, name)
         tag = m.consumer_tag or generated_name(conn, "amq.ctag-")
         if tag in ch.consumers:
             raise ConnectionError_(R.NOT_ALLOWED, f"attempt to reuse consumer tag '{tag}'")
@@ -253,7 +266,9 @@ class Consumers:
         return present
 
     def b_get(self, conn: Connection, ch: Channel, m: Any) -> None:
-        q = self._topology.queue(conn, ch, m.queue)
+        name = self._topology.queue_name(conn, ch, m.queue)
+        self._permissions.check(conn, READ, "queue", name)
+        q = self._topology.queue(conn, ch, name)
         now = self._clock.now_ms
         q.last_used_ms = now
         self._delivery.expire_head(q)

@@ -54,6 +54,7 @@ from cpgbroker.model.events import WantOutput
 from cpgbroker.model.exchange import Exchange
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output, basic_return
+from cpgbroker.model.permissions import Permissions
 from cpgbroker.model.queueflow import QueueFlow
 from cpgbroker.model.topology import FAILOVER_EXCHANGE, VHost
 from cpgbroker.model.ttlindex import TtlQueues
@@ -101,6 +102,8 @@ class Delivery:
         "_mark",
         "_max_message_size",
         "_out",
+        "_permissions",
+        "_published",
         "_release",
         "_ttl_queues",
         "_vhosts",
@@ -118,6 +121,7 @@ class Delivery:
         ttl_queues: TtlQueues,
         connections: dict[int, Connection],
         flow: QueueFlow,
+        permissions: Permissions,
     ) -> None:
         self.msg_seq = 0
         self._flow = flow
@@ -136,6 +140,9 @@ class Delivery:
         self._emit = out.emit
         self._release = mark.release
         self._confirm_publish = confirms.published
+        self._permissions = permissions
+        # The write check's results (permissions.py): a hit is the whole per-message cost.
+        self._published = permissions.published
 
     # ------------------------------------------------------------------ publishing
 
@@ -233,6 +240,8 @@ class Delivery:
         body: bytes,
     ) -> None:
         exchange = pend.exchange
+        if not self._published.get((conn.user, conn.vhost, exchange)):
+            self._permissions.check_publish(conn, exchange)
         vh = self._vhosts[conn.vhost]
         ex = vh.exchanges.get(exchange)
         if ex is None:

@@ -452,6 +452,10 @@ class Connection:
     peer: str
     loopback: bool
     reader: FrameReader
+    # Over TLS, and the user named by its verified client certificate ("" for none): what the
+    # EXTERNAL mechanism logs in as (model/connection.py).
+    tls: bool = False
+    cert_user: str = ""
     state: int = AWAIT_HEADER
     header_buf: bytes = b""
     user: str = ""

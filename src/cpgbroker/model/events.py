@@ -17,12 +17,17 @@ class ClientConnected:
     ``conn`` is unique across the cluster (it embeds the member). ``loopback`` says whether the
     peer address is a loopback address, decided once by the member that accepted the socket, so
     the loopback-only rule for the guest user gives the same answer on every replica.
+    ``tls``: the client came in over an amqps listener. ``cert_user``: the name its verified
+    client certificate stands for (the EXTERNAL mechanism's user; "" for none), decided the
+    same way once by that member: the model never reads certificates.
     """
 
     conn: int
     member: int = 0
     peer: str = ""
     loopback: bool = True
+    tls: bool = False
+    cert_user: str = ""
 
 
 @attrs.frozen

@@ -85,6 +85,9 @@ NOT_REPLICATED = {
     "Connections": {"deadlines"},
     "QueueFlow": {"queues"},
     "Consumer": {"qseq"},
+    # Cached permission results: a function of the configuration and the name.
+    "Permissions": {"_known", "published"},
+    "Delivery": {"_published"},
 }
 
 
@@ -379,7 +382,7 @@ def _queue(q: Queue) -> dict[str, Any]:
 
 
 def _connection(c: Connection, qref: Any, entry: Any) -> dict[str, Any]:
-    return {
+    d: dict[str, Any] = {
         "id": c.id,
         "member": c.member,
         "peer": c.peer,
@@ -407,6 +410,11 @@ def _connection(c: Connection, qref: Any, entry: Any) -> dict[str, Any]:
         "blocked_sent": c.blocked_sent,
         "channels": [_channel(ch, qref, entry) for ch in c.channels.values()],
     }
+    if c.tls:
+        # Only for TLS clients: states without them snapshot (and digest) as before TLS.
+        d["tls"] = True
+        d["cert_user"] = c.cert_user
+    return d
 
 
 def _channel(ch: Channel, qref: Any, entry: Any) -> dict[str, Any]:
@@ -667,6 +675,8 @@ class Restorer:
             peer=cd["peer"],
             loopback=cd["loopback"],
             reader=FrameReader(cd["reader_frame_max"]),
+            tls=cd.get("tls", False),
+            cert_user=cd.get("cert_user", ""),
             state=cd["state"],
             header_buf=cd["header_buf"],
             user=cd["user"],

@@ -15,7 +15,9 @@ shortstr (so at most 255 bytes, which the wire format itself enforces), as in Ra
 The rules are RabbitMQ's, with its reply codes: ``amq.`` is reserved for exchanges and
 queues the broker declares (403 ACCESS_REFUSED), the default exchange cannot be declared,
 deleted or bound (403), and a missing name is 404 NOT_FOUND. pamqp's stricter name pattern
-is not applied (``channel.decode_method``).
+is not applied (``channel.decode_method``). Before a handler looks anything up it asks
+``permissions.py`` whether the connection's user may configure, write or read the names it
+was given (403 ACCESS_REFUSED), as RabbitMQ does.
 
 It never delivers: publishing the member list to a queue bound to ``amq.failover`` goes
 through ``on_failover_bind``, which the broker connects to delivery.
@@ -51,6 +53,7 @@ from cpgbroker.model.limits import (
 )
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output, queue_declare_ok
+from cpgbroker.model.permissions import CONFIGURE, READ, WRITE, Permissions
 from cpgbroker.model.queueargs import QUEUE_ARGS, apply_queue_args, fmt
 from cpgbroker.model.ttlindex import QueueKey, TtlQueues
 
@@ -97,6 +100,7 @@ class Topology:
         "_expiry_seq",
         "_mark",
         "_out",
+        "_permissions",
         "expiring",
         "limits",
         "member_urls",
@@ -113,6 +117,7 @@ class Topology:
         out: Output,
         mark: MemoryMark,
         connections: dict[int, Connection],
+        permissions: Permissions,
     ) -> None:
         self.vhosts: dict[str, VHost] = {}
         # Client URLs of the cluster's members (empty standalone), in the cluster's order.
@@ -125,6 +130,8 @@ class Topology:
         self._mark = mark
         # Read only: exclusive queues are struck from their owner's list when deleted.
         self._connections = connections
+        # Asked before anything is looked up (a refused client learns nothing of what exists).
+        self._permissions = permissions
         # Publishes the member list to a queue just bound to amq.failover (delivery does).
         self.on_failover_bind: Callable[[Queue, tuple[str, ...]], None] = _unwired
         # Configured by the connections component (which is given the broker's config).
@@ -229,20 +236,17 @@ class Topology:
         vh = self.vhosts[conn.vhost]
         name = m.exchange
         ex = vh.exchanges.get(name)
+        if name == "":
+            raise ChannelError(R.ACCESS_REFUSED, "operation not permitted on the default exchange")
         if m.passive:
-            if name == "":
-                raise ChannelError(
-                    R.ACCESS_REFUSED, "operation not permitted on the default exchange"
-                )
+            self._permissions.check_any(conn, "exchange", name)
             if ex is None:
                 raise ChannelError(R.NOT_FOUND, f"no exchange '{name}' in vhost '{vh.name}'")
         else:
-            if (name == "" or name.startswith("amq.")) and (ex is None or name == ""):
+            self._permissions.check(conn, CONFIGURE, "exchange", name)
+            if name.startswith("amq.") and ex is None:
                 raise ChannelError(
-                    R.ACCESS_REFUSED,
-                    f"exchange name '{name}' contains reserved prefix 'amq.*'"
-                    if name
-                    else "operation not permitted on the default exchange",
+                    R.ACCESS_REFUSED, f"exchange name '{name}' contains reserved prefix 'amq.*'"
                 )
             if m.exchange_type not in EXCHANGE_TYPES:
                 raise ConnectionError_(
@@ -250,6 +254,12 @@ class Topology:
                 )
             args = dict(m.arguments or {})
             if ex is None:
+                ae = args.get("alternate-exchange")
+                if isinstance(ae, str):
+                    # RabbitMQ: whoever names an alternate exchange may read this one and
+                    # write that one (routing to it later is not checked).
+                    self._permissions.check(conn, READ, "exchange", name)
+                    self._permissions.check(conn, WRITE, "exchange", ae)
                 check_new_exchange(self.limits, vh.name, vh.client_exchanges(), name)
                 ex = Exchange(
                     name, vh.name, m.exchange_type, m.durable, m.auto_delete, m.internal, args
@@ -276,6 +286,7 @@ class Topology:
         name = m.exchange
         if name == "" or name.startswith("amq."):
             raise ChannelError(R.ACCESS_REFUSED, f"operation not permitted on exchange '{name}'")
+        self._permissions.check(conn, CONFIGURE, "exchange", name)
         ex = vh.exchanges.get(name)
         if ex is not None:
             if m.if_unused and (ex.bindings or ex.sources):
@@ -309,7 +320,15 @@ class Topology:
         if ex.auto_delete and not ex.bindings and not ex.deleted:
             self._delete_exchange(vh, ex)
 
+    def _check_exchange_binding(self, conn: Connection, m: Any) -> None:
+        """RabbitMQ: write on the destination, read on the source (unless either is the
+        default exchange, which the binding is refused for anyway)."""
+        self._permissions.check(conn, WRITE, "exchange", m.destination)
+        if m.source != "" and m.destination != "":
+            self._permissions.check(conn, READ, "exchange", m.source)
+
     def ex_bind(self, conn: Connection, ch: Channel, m: Any) -> None:
+        self._check_exchange_binding(conn, m)
         dest = self.exchange(conn, m.destination)
         src = self.exchange(conn, m.source)
         if src.name == "" or dest.name == "":
@@ -324,6 +343,7 @@ class Topology:
             self._out.send_method(conn, ch.id, commands.Exchange.BindOk())
 
     def ex_unbind(self, conn: Connection, ch: Channel, m: Any) -> None:
+        self._check_exchange_binding(conn, m)
         vh = self.vhosts[conn.vhost]
         dest = vh.exchanges.get(m.destination)
         src = vh.exchanges.get(m.source)
@@ -347,6 +367,7 @@ class Topology:
                 raise ChannelError(
                     R.NOT_FOUND, f"no previously declared queue in vhost '{vh.name}'"
                 )
+            self._permissions.check_any(conn, "queue", name)
             q = self.queue(conn, ch, name)
         else:
             if name.startswith("amq.") and name not in vh.queues:
@@ -355,10 +376,17 @@ class Topology:
                 )
             if name == "":
                 name = generated_name(conn, "amq.gen-")
+            self._permissions.check(conn, CONFIGURE, "queue", name)
             existing = vh.queues.get(name)
             args = dict(m.arguments or {})
             now = self._clock.now_ms
             if existing is None:
+                dlx = args.get("x-dead-letter-exchange")
+                if isinstance(dlx, str):
+                    # RabbitMQ: whoever names a dead-letter exchange may read this queue and
+                    # write that exchange (dead-lettering later is not checked).
+                    self._permissions.check(conn, READ, "queue", name)
+                    self._permissions.check(conn, WRITE, "exchange", dlx)
                 check_new_queue(self.limits, vh.name, len(vh.queues), name)
                 q = Queue(
                     name=name,
@@ -415,8 +443,17 @@ class Topology:
                     conn, queue_declare_ok(ch.id, q.name, len(q.messages), len(q.consumers))
                 )
 
+    def _check_queue_binding(self, conn: Connection, ch: Channel, m: Any) -> str:
+        """RabbitMQ: write on the queue, read on the exchange (unless it is the default
+        exchange, which the binding is refused for anyway). The queue's name."""
+        name = self.queue_name(conn, ch, m.queue)
+        self._permissions.check(conn, WRITE, "queue", name)
+        if m.exchange != "":
+            self._permissions.check(conn, READ, "exchange", m.exchange)
+        return name
+
     def q_bind(self, conn: Connection, ch: Channel, m: Any) -> None:
-        q = self.queue(conn, ch, m.queue)
+        q = self.queue(conn, ch, self._check_queue_binding(conn, ch, m))
         ex = self.exchange(conn, m.exchange)
         if ex.name == "":
             raise ChannelError(R.ACCESS_REFUSED, "operation not permitted on the default exchange")
@@ -437,7 +474,7 @@ class Topology:
 
     def q_unbind(self, conn: Connection, ch: Channel, m: Any) -> None:
         vh = self.vhosts[conn.vhost]
-        q = vh.queues.get(self.queue_name(conn, ch, m.queue))
+        q = vh.queues.get(self._check_queue_binding(conn, ch, m))
         ex = vh.exchanges.get(m.exchange)
         if m.exchange == "":
             raise ChannelError(R.ACCESS_REFUSED, "operation not permitted on the default exchange")
@@ -453,7 +490,9 @@ class Topology:
         self._out.send_method(conn, ch.id, commands.Queue.UnbindOk())
 
     def q_purge(self, conn: Connection, ch: Channel, m: Any) -> None:
-        q = self.queue(conn, ch, m.queue)
+        name = self.queue_name(conn, ch, m.queue)
+        self._permissions.check(conn, READ, "queue", name)
+        q = self.queue(conn, ch, name)
         count = len(q.messages)
         release = self._mark.release
         for e in q.messages:
@@ -465,7 +504,9 @@ class Topology:
 
     def q_delete(self, conn: Connection, ch: Channel, m: Any) -> None:
         vh = self.vhosts[conn.vhost]
-        q = vh.queues.get(self.queue_name(conn, ch, m.queue))
+        name = self.queue_name(conn, ch, m.queue)
+        self._permissions.check(conn, CONFIGURE, "queue", name)
+        q = vh.queues.get(name)
         count = 0
         if q is not None:
             check_exclusive(conn, q)

@@ -4,24 +4,25 @@ checkpoint, quorum, error-check rounds), and on cluster members the control requ
 ``cpgbroker cluster stop`` / ``member stop`` (``POST /stop``) and, when a test configuration
 enables it, ``POST /faults``.
 
-``GET /status`` is open to whoever reaches the address the operator configures (loopback in
-the examples). Control requests can stop the cluster: with ``[server] admin_token`` set they
-must carry ``Authorization: Bearer <token>``; without it they are accepted only when the
-endpoint listens on a loopback address (then only local users reach it).
+It trusts no one: every request, the status read included and on loopback too, must carry
+``Authorization: Bearer <admin secret>`` (runtime/secret.py: generated at first start, 0600,
+read by the CLI; or ``[server] admin_token``). Without it the answer is 401, with a wrong one
+403, and the refusal is logged with the peer's address, never with what it sent.
 """
 
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 
-from cpgbroker.runtime.settings import parse_listen
+from cpgbroker.runtime import secret as admin_secret
+from cpgbroker.runtime.settings import ServerConfig, parse_listen
 
 log = logging.getLogger("cpgbroker.admin")
 
@@ -65,41 +66,78 @@ def _split_request(request: bytes) -> tuple[list[str], bytes, dict[str, str]]:
     return lines[0].split(), body, headers
 
 
-def control_refusal(bound_host: str, token: str, authorization: str) -> tuple[int, str] | None:
-    """Why a control request may not proceed (HTTP status, reason), or None if it may."""
-    if token:
-        scheme, _, given = authorization.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip(), token):
-            return None
-        return 401, "control requests need Authorization: Bearer <[server] admin_token>"
-    try:
-        loopback = ipaddress.ip_address(bound_host).is_loopback
-    except ValueError:
-        loopback = False
-    if loopback:
+def load_secret(config: ServerConfig) -> str:
+    """The secret this member's admin endpoint requires: ``[server] admin_token`` if set,
+    else the secret file's, generated now if this is the first start."""
+    if config.admin_token:
+        return config.admin_token
+    path = admin_secret.secret_path(config.admin_secret_file)
+    value, created = admin_secret.load_or_create(path)
+    if created:
+        log.info("admin secret generated path=%s", path)
+    return value
+
+
+def admin_ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
+    """https for the admin endpoint (``[server] admin_tls``): the [tls] certificate, but no
+    client certificate asked for: callers prove themselves with the secret, and the CLI has
+    no certificate of its own."""
+    if not config.admin_tls or config.tls is None:
         return None
-    return 403, (
-        "this status endpoint is not on loopback: set [server] admin_token to accept control "
-        "requests on it"
-    )
+    from cpgbroker.runtime import tls
+
+    context = tls.server_context(config.tls)
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def refusal(secret: str, authorization: str) -> tuple[int, str] | None:
+    """Why a request may not proceed (HTTP status, reason), or None if it may."""
+    scheme, _, given = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        return 401, (
+            "this endpoint needs Authorization: Bearer <admin secret> (the cpgbroker CLI reads "
+            "it from the member's [server] admin_secret_file)"
+        )
+    # Compared as bytes: compare_digest refuses non-ASCII str, and a header may hold anything.
+    if hmac.compare_digest(given.strip().encode(errors="replace"), secret.encode()):
+        return None
+    return 403, "the admin secret does not match this member's"
 
 
 async def serve_admin(
     addr: str,
     status: Callable[[bool], dict[str, Any]],
     control: Control | None = None,
-    token: str = "",
+    secret: str = "",
     *,
+    ssl_context: ssl.SSLContext | None = None,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
+    if not secret:
+        # No default that opens the endpoint: the caller must have loaded or made a secret.
+        raise ValueError("serve_admin needs the admin secret")
     host, port = parse_listen(addr)
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = listeners[0].socket.getsockname()
-    log.info("status endpoint host=%s port=%s", bound[0], bound[1])
+    log.info(
+        "status endpoint host=%s port=%s tls=%s",
+        bound[0],
+        bound[1],
+        "yes" if ssl_context else "no",
+    )
 
-    async def handle(stream: trio.SocketStream) -> None:
+    async def handle(tcp: trio.SocketStream) -> None:
+        stream: trio.abc.Stream = tcp
+        try:
+            peer = tcp.socket.getpeername()[0]
+        except OSError:
+            peer = "?"
         try:
             with trio.move_on_after(REQUEST_TIMEOUT):
+                if ssl_context is not None:
+                    stream = trio.SSLStream(tcp, ssl_context, server_side=True)
+                    await stream.do_handshake()
                 request = b""
                 while b"\r\n\r\n" not in request and len(request) < MAX_REQUEST:
                     chunk = await stream.receive_some(4096)
@@ -117,21 +155,21 @@ async def serve_admin(
                 payload = payload[:length]
                 path, _, query = line[1].partition("?") if len(line) >= 2 else ("", "", "")
                 answer: Any
-                if line and line[0] == "GET" and path in ("/", "/status"):
+                method = line[0] if line else ""
+                refused = refusal(secret, headers.get("authorization", ""))
+                if refused is not None:
+                    http, answer = refused[0], {"error": refused[1]}
+                    log.warning(
+                        "admin request refused peer=%s method=%s path=%s status=%d",
+                        peer,
+                        method or "-",
+                        path or "-",
+                        http,
+                    )
+                elif method == "GET" and path in ("/", "/status"):
                     # ?digest=1 adds the current model digest (costs a full snapshot).
                     http, answer = 200, status("digest=1" in query)
-                elif (
-                    line
-                    and line[0] == "POST"
-                    and control is not None
-                    and (
-                        refusal := control_refusal(
-                            str(bound[0]), token, headers.get("authorization", "")
-                        )
-                    )
-                ):
-                    http, answer = refusal[0], {"error": refusal[1]}
-                elif line and line[0] == "POST" and control is not None:
+                elif method == "POST" and control is not None:
                     try:
                         args = json.loads(payload or b"{}")
                         if not isinstance(args, dict):
@@ -149,15 +187,24 @@ async def serve_admin(
                     http, answer = 404, {"error": "GET /status, or POST /stop on a member"}
                 body = json.dumps(answer, indent=2, default=str).encode()
                 code = f"{http} {_REASONS.get(http, 'Error')}"
+                challenge = 'WWW-Authenticate: Bearer realm="cpgbroker"\r\n' if http == 401 else ""
                 await stream.send_all(
-                    f"HTTP/1.0 {code}\r\nContent-Type: application/json\r\n"
+                    f"HTTP/1.0 {code}\r\nContent-Type: application/json\r\n{challenge}"
                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
                     + body
                 )
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+        except trio.BrokenResourceError as e:
+            # trio wraps TLS failures (a client that does not trust our certificate, or that
+            # speaks plain HTTP to an https endpoint): worth a line, not a traceback.
+            if isinstance(e.__cause__, ssl.SSLError):
+                why = e.__cause__.reason or e.__cause__
+                log.info("admin TLS handshake failed peer=%s reason=%s", peer, why)
+        except trio.ClosedResourceError:
             pass
         finally:
-            await stream.aclose()
+            with trio.move_on_after(1) as cleanup:
+                cleanup.shield = True
+                await stream.aclose()
 
     task_status.started((str(bound[0]), int(bound[1])))
     await trio.serve_listeners(handle, listeners)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import signal
@@ -15,6 +16,7 @@ import trio
 from cpgbroker.model.events import (
     Tick,
 )
+from cpgbroker.runtime import sdnotify
 from cpgbroker.runtime.server import Node, open_listeners, wait_for_signal
 from cpgbroker.runtime.settings import ServerConfig
 
@@ -26,6 +28,7 @@ async def serve(
     *,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
     node_factory: Callable[[ServerConfig], Node] | None = None,
+    notifier: sdnotify.Notifier | None = None,
 ) -> None:
     """Serve until cancelled or signalled; reports the bound (host, port) pairs via
     ``task_status`` (port 0 in the config picks a free port)."""
@@ -45,9 +48,19 @@ async def serve(
         if config.admin_listen:
             from cpgbroker.runtime import admin
 
-            await nursery.start(admin.serve_admin, config.admin_listen, node.status)
+            await nursery.start(
+                functools.partial(admin.serve_admin, ssl_context=admin.admin_ssl_context(config)),
+                config.admin_listen,
+                node.status,
+                None,
+                admin.load_secret(config),
+            )
         task_status.started(bound)
+        notifier = notifier or sdnotify.Notifier(None)
+        notifier.ready("serving on " + ", ".join(f"{h}:{p}" for h, p in bound))
+        nursery.start_soon(sdnotify.keep_alive, notifier)
         signum = await wait_for_signal()
+        notifier.stopping()
         log.info(
             "shutting down signal=%s connections=%d grace=%.1fs",
             signal.Signals(signum).name,
@@ -97,12 +110,19 @@ def main(config_path: str | None, listen: str | None, force_boot: bool = False) 
     from cpgbroker.errors import ClusterError, CpgError
 
     tune_gc()
+    # Read (and removed from the environment, so children cannot speak for us) before any
+    # child process starts.
+    notifier = sdnotify.Notifier.from_env()
 
     try:
-        trio.run(_main_async, cfg)
+        trio.run(_main_async, cfg, notifier)
     except Exception as e:
         # trio nurseries wrap errors in exception groups; report the one that happened.
         leaf = _single_leaf(e)
+        if isinstance(leaf, ConfigError):
+            # Found only once serving starts (e.g. an admin secret others can read).
+            log.error("cannot serve: %s", leaf)
+            return 2
         if isinstance(leaf, OSError):
             log.error("cannot serve: %s", leaf)
             return 1
@@ -129,10 +149,10 @@ def _single_leaf(e: BaseException) -> BaseException:
     return e
 
 
-async def _main_async(cfg: ServerConfig) -> Any:
+async def _main_async(cfg: ServerConfig, notifier: sdnotify.Notifier) -> Any:
     if cfg.cluster is not None:
         from cpgbroker.runtime import process
 
-        await process.serve_member(cfg)
+        await process.serve_member(cfg, notifier=notifier)
     else:
-        await serve(cfg)
+        await serve(cfg, notifier=notifier)

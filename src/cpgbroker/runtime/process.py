@@ -9,6 +9,7 @@ incarnation is one :class:`~cpgbroker.runtime.member.ClusterNode`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -19,10 +20,11 @@ import trio
 
 from cpgbroker.cluster.codec import STATUS_NAMES
 from cpgbroker.cluster.membership import member_id
+from cpgbroker.corosync import cmap
 from cpgbroker.corosync.cpg import tune_malloc
 from cpgbroker.errors import ClusterError, CpgError
 from cpgbroker.model.broker import Broker
-from cpgbroker.runtime import admin, watchdog
+from cpgbroker.runtime import admin, sdnotify, watchdog
 from cpgbroker.runtime.cpg_trio import open_cpg
 from cpgbroker.runtime.member import (
     NOT_QUORATE_TEXT,
@@ -34,6 +36,7 @@ from cpgbroker.runtime.quorum_trio import TrioQuorum, open_quorum
 from cpgbroker.runtime.server import (
     CLOSE_LINGER,
     RECV_SIZE,
+    ClientStream,
     forced_close_frame,
     model_status,
     open_listeners,
@@ -88,8 +91,15 @@ class MemberProcess:
     while no incarnation serves, new AMQP connections are refused with connection.close 320.
     """
 
-    def __init__(self, config: ServerConfig, quorum: TrioQuorum) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        quorum: TrioQuorum,
+        notifier: sdnotify.Notifier | None = None,
+    ) -> None:
         assert config.cluster is not None
+        # systemd's readiness, status and watchdog (a no-op outside systemd).
+        self.notifier = notifier or sdnotify.Notifier(None)
         self.config = config
         self.cluster = config.cluster
         self.quorum = quorum
@@ -177,23 +187,40 @@ class MemberProcess:
         return 404, {"error": f"no control request {path}"}
 
     async def feed_watchdog(self) -> None:
-        """Signs of life for the watchdog process, from the event loop that processes the
-        stream: if that loop blocks or the process stops, the feeding stops. While the loop
+        """Signs of life for the watchdog process and, under systemd, for systemd's watchdog
+        (``WatchdogSec``), from the event loop that processes the stream: if that loop blocks
+        or the process stops, the feeding stops and either kills the member. While the loop
         is inside one long event, a thread feeds for it as long as it makes progress
         (``runtime/watchdog.py``, "Slow events are not hangs")."""
-        period = self.cluster.watchdog_timeout / 5
-        feeder = watchdog.BusyFeeder(
-            self.watchdog, self.applying, period, self.cluster.max_apply_seconds
-        )
+        periods = [self.cluster.watchdog_timeout / 5, self.notifier.watchdog_period or 0.0]
+        period = min(p for p in periods if p > 0)
+
+        def feed() -> None:
+            if self.watchdog is not None:
+                watchdog.feed(self.watchdog)
+            self.notifier.watchdog()
+
+        feeder = watchdog.BusyFeeder(feed, self.applying, period, self.cluster.max_apply_seconds)
         feeder.start()  # from this thread: it watches the event loop thread's CPU time
         try:
             while True:
-                watchdog.feed(self.watchdog)
+                feed()
                 await trio.sleep(period)
         finally:
             feeder.stop()
 
-    async def handle_client(self, stream: trio.SocketStream) -> None:
+    def progress(self) -> str:
+        """One line for ``systemctl status`` (cheap: no model work)."""
+        node = self.node
+        return sdnotify.member_line(
+            self.phase,
+            None if node is None else node.state_name(),
+            [] if node is None else list(node.membership.members),
+            self.cluster.size,
+            None if node is None else node.member,
+        )
+
+    async def handle_client(self, stream: ClientStream) -> None:
         node = self.node
         if self.stop.is_set():
             await refuse(stream, "broker shutdown")
@@ -228,32 +255,38 @@ class MemberProcess:
 
     async def _run(self, task_status: trio.TaskStatus[list[tuple[str, int]]]) -> None:
         config, cluster = self.config, self.cluster
-        listeners: list[trio.SocketListener] = []
+        listeners: list[trio.abc.Listener[ClientStream]] = []
         async with trio.open_nursery() as outer:
             if config.admin_listen:
                 # Before readiness: ``status`` shows a joining member's quorum and progress.
                 await outer.start(
-                    admin.serve_admin,
+                    functools.partial(
+                        admin.serve_admin, ssl_context=admin.admin_ssl_context(config)
+                    ),
                     config.admin_listen,
                     self.status,
                     self.control,
-                    config.admin_token,
+                    admin.load_secret(config),
                 )
             if cluster.watchdog_timeout > 0:
                 self.watchdog = watchdog.spawn(cluster.watchdog_timeout)
                 log.info("watchdog pid=%s timeout=%gs", self.watchdog.pid, cluster.watchdog_timeout)
+            if self.watchdog is not None or self.notifier.watchdog_period is not None:
                 outer.start_soon(self.feed_watchdog)
+            outer.start_soon(sdnotify.report_status, self.notifier, self.progress)
             outer.start_soon(reap_updaters, self.updates)
 
             async def on_signal() -> None:
                 signum = await wait_for_signal()
                 log.info("stopping member signal=%s", signum)
+                self.notifier.stopping()
                 self.stop.set()
                 if self.node is None or not self.node.serving:
                     outer.cancel_scope.cancel()  # nothing to shut down gracefully
 
             outer.start_soon(on_signal)
             await self._check_quorum_policy()
+            await self._check_ring_security()
             if self.storage is not None:
                 self.phase = "recovering"
                 rec = await self.storage.recover(config.broker)
@@ -300,6 +333,36 @@ class MemberProcess:
             with contextlib.suppress(Exception):
                 w.wait(2)
 
+    async def _check_ring_security(self) -> None:
+        """Refuse a corosync ring other machines can read or join: every client's bytes,
+        PLAIN passwords included, are multicast over it. A loopback-only ring (one machine)
+        or ``[cluster] allow_plaintext_ring`` (the operator says the network is private) is
+        accepted."""
+        ring = await trio.to_thread.run_sync(cmap.ring_security, self.cluster.netns or None)
+        if ring.encrypted:
+            log.info("corosync ring encrypted cipher=%s hash=%s", ring.cipher, ring.hash)
+            return
+        if ring.loopback_only:
+            log.info("corosync ring not encrypted, but on loopback only")
+            return
+        if self.cluster.allow_plaintext_ring:
+            log.warning(
+                "corosync ring NOT encrypted (crypto_cipher %s, crypto_hash %s) on %s: client "
+                "bytes and passwords cross the network in clear ([cluster] allow_plaintext_ring)",
+                ring.cipher,
+                ring.hash,
+                ", ".join(ring.addresses),
+            )
+            return
+        raise ClusterError(
+            f"the corosync ring is not encrypted (crypto_cipher {ring.cipher}, crypto_hash "
+            f"{ring.hash}) and not loopback-only ({', '.join(ring.addresses) or 'no nodelist'}): "
+            "every client's bytes, passwords included, would cross the network in clear. Set "
+            "crypto_cipher, crypto_hash and keyfile in corosync.conf (`cpgbroker cluster init` "
+            "writes such a configuration), or [cluster] allow_plaintext_ring = true if the "
+            "network is private"
+        )
+
     async def _check_quorum_policy(self) -> None:
         """Refuse votequorum settings under which two sides of a split both stay quorate."""
         info = await self.quorum.call(self.quorum.quorum.getinfo)
@@ -320,7 +383,7 @@ class MemberProcess:
             )
 
     async def _incarnation(
-        self, outer: trio.Nursery, listeners: list[trio.SocketListener], first: bool
+        self, outer: trio.Nursery, listeners: list[trio.abc.Listener[ClientStream]], first: bool
     ) -> bool:
         """Join, get ready (from scratch or by update), serve until signalled (returns) or
         suspended (returns, the caller waits for quorum and starts another). Returns whether
@@ -417,7 +480,9 @@ class MemberProcess:
                         self.restarted = False
                         self.phase = "ready"
                         log.info("serving clients (incarnation %d)", self.incarnations)
+                        self.notifier.ready(self.progress())  # READY=1 the first time only
                         await _first_of(self.stop, node.stop_requested)
+                        self.notifier.stopping()
                         if node.halted is not None:
                             # A stop request: this member stops where the stream said, and
                             # leaves the group at once (the others count it in stability
@@ -469,7 +534,9 @@ class MemberProcess:
                 node.io.cancel_clients()
         return served
 
-    async def _accept(self, listeners: list[trio.SocketListener], outer: trio.Nursery) -> None:
+    async def _accept(
+        self, listeners: list[trio.abc.Listener[ClientStream]], outer: trio.Nursery
+    ) -> None:
         await trio.serve_listeners(self.handle_client, listeners, handler_nursery=outer)
 
     bound: list[tuple[str, int]] = []
@@ -536,7 +603,7 @@ async def _first_of(*events: trio.Event) -> None:
             nursery.start_soon(wait, ev)
 
 
-async def refuse(stream: trio.SocketStream, text: str) -> None:
+async def refuse(stream: ClientStream, text: str) -> None:
     """Turn away a client while this member does not serve: read its protocol header, answer
     connection.close 320 with the reason (clients report it; failover clients move on), then
     linger as a closed connection does (``runtime/server.py``, CLOSE_LINGER): end of stream,
@@ -550,7 +617,8 @@ async def refuse(stream: trio.SocketStream, text: str) -> None:
             await stream.receive_some(8)
             await stream.send_all(forced_close_frame(text))
         with trio.move_on_after(CLOSE_LINGER):
-            await stream.send_eof()
+            if not isinstance(stream, trio.SSLStream):  # TLS has no half close
+                await stream.send_eof()
             while await stream.receive_some(RECV_SIZE):
                 pass
     await stream.aclose()
@@ -560,6 +628,7 @@ async def serve_member(
     config: ServerConfig,
     *,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
+    notifier: sdnotify.Notifier | None = None,
 ) -> None:
     cluster = config.cluster
     assert cluster is not None
@@ -570,7 +639,7 @@ async def serve_member(
     # CPG messages and page-faults it back for the next (measured in docs/performance.md).
     tune_malloc()
     async with open_quorum(netns=cluster.netns or None) as quorum:
-        process = MemberProcess(config, quorum)
+        process = MemberProcess(config, quorum, notifier)
         try:
             await process.run(task_status=task_status)
         finally:

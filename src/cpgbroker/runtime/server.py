@@ -23,9 +23,10 @@ import ipaddress
 import logging
 import os
 import signal
+import ssl
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import trio
 
@@ -49,6 +50,7 @@ from cpgbroker.model.events import (
     WantOutput,
 )
 from cpgbroker.runtime.settings import ServerConfig, parse_listen
+from cpgbroker.runtime.tls import TlsConfig, cert_identity, server_context
 
 log = logging.getLogger("cpgbroker.server")
 
@@ -70,6 +72,12 @@ GRANT_BYTES = 1024 * 1024
 # writes fail and can destroy the close-ok still unread in its receive buffer. RabbitMQ
 # reads on until the client closes; a client that never does is cut after this long.
 CLOSE_LINGER = 1.0
+# The longest certificate user name a connection carries (bytes): a DN is far shorter, and
+# the name travels in every member's stream (a longer one logs in as no one).
+MAX_CERT_USER = 4096
+
+# A client's stream: TCP, or TLS over TCP (an amqps listener).
+ClientStream: TypeAlias = "trio.SocketStream | trio.SSLStream[trio.SocketStream]"
 
 
 class LocalConn:
@@ -97,7 +105,7 @@ class LocalConn:
         "written",
     )
 
-    def __init__(self, conn_id: int, stream: trio.SocketStream, peer: str) -> None:
+    def __init__(self, conn_id: int, stream: ClientStream, peer: str) -> None:
         self.id = conn_id
         self.stream = stream
         self.peer = peer
@@ -119,7 +127,8 @@ class LocalConn:
         # come back through CPG); the reader stops while READ_CREDIT are in flight.
         self.inflight = 0
         self.credit_back = trio.Event()
-        self.fd = stream.socket.fileno()
+        # ``Node.write`` writes straight to the socket, unless TLS has to encrypt first (-1).
+        self.fd = -1 if isinstance(stream, trio.SSLStream) else stream.socket.fileno()
         # The writer task is inside send_all: only it may write until it is done.
         self.sending = False
         # Output waiting, in order, for its event to become stable (cluster members only):
@@ -261,7 +270,7 @@ class Node:
     def write(self, lc: LocalConn, data: bytes) -> None:
         """Write now rather than one scheduling round later: the socket is non-blocking, and
         whatever it does not take goes to the writer task (in order, after what it holds)."""
-        if not lc.out and not lc.sending and not lc.closing:
+        if not lc.out and not lc.sending and not lc.closing and lc.fd >= 0:
             try:
                 n = os.write(lc.fd, data)
             except OSError:
@@ -280,9 +289,10 @@ class Node:
         return self._last_tick
 
     # -- per connection
-    async def handle(self, stream: trio.SocketStream) -> None:
+    async def handle(self, stream: ClientStream) -> None:
+        tcp = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
         try:
-            peer_addr = stream.socket.getpeername()
+            peer_addr = tcp.socket.getpeername()
         except OSError:
             return
         host = str(peer_addr[0])
@@ -291,22 +301,32 @@ class Node:
             loopback = ipaddress.ip_address(host.split("%")[0]).is_loopback
         except ValueError:
             loopback = False
+        tls = isinstance(stream, trio.SSLStream)
+        cert_user = ""
+        if isinstance(stream, trio.SSLStream):
+            assert self.config.tls is not None
+            got = await tls_handshake(stream, self.config.tls, peer)
+            if got is None:
+                return
+            cert_user = got
         lc = LocalConn(self.new_conn_id(), stream, peer)
         self.local[lc.id] = lc
         self.all_closed = trio.Event()
-        log.info("connection accepted conn=%s peer=%s", lc.id, peer)
+        log.info("connection accepted conn=%s peer=%s tls=%s", lc.id, peer, tls)
         with trio.CancelScope() as scope:
             key = id(scope)
             self.client_scopes[key] = scope
             try:
-                await self._serve(lc, loopback)
+                await self._serve(
+                    lc, ClientConnected(lc.id, self.member, peer, loopback, tls, cert_user)
+                )
             finally:
                 del self.client_scopes[key]
 
-    async def _serve(self, lc: LocalConn, loopback: bool) -> None:
+    async def _serve(self, lc: LocalConn, connected: ClientConnected) -> None:
         stream = lc.stream
         try:
-            await self.submit(ClientConnected(lc.id, self.member, lc.peer, loopback))
+            await self.submit(connected)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._reader, lc, nursery.cancel_scope)
                 await self._writer(lc)
@@ -321,7 +341,9 @@ class Node:
                 del self.local[lc.id]
                 if not self.local:
                     self.all_closed.set()
-                await stream.aclose()
+                # Bounded: TLS's close_notify is a write a client that reads nothing blocks.
+                with trio.move_on_after(CLOSE_LINGER):
+                    await stream.aclose()
             log.info(
                 "connection closed conn=%s peer=%s reason=%r",
                 lc.id,
@@ -345,7 +367,8 @@ class Node:
                     break
                 if count:
                     lc.inflight += 1  # until the sequencer hands it back (``read_done``)
-                await self.submit(ClientData(lc.id, data))
+                # (TLS reads come as a bytearray: events hold bytes.)
+                await self.submit(ClientData(lc.id, data if type(data) is bytes else bytes(data)))
                 if lc.model_closed:
                     return
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -435,16 +458,56 @@ class Node:
             await self.all_closed.wait()
 
 
-async def _linger(stream: trio.SocketStream) -> None:
-    """The connection is closed and its last output written: tell the client (end of stream)
-    and read and discard what it still sends until it closes, at most CLOSE_LINGER seconds."""
+async def _linger(stream: ClientStream) -> None:
+    """The connection is closed and its last output written: tell the client (end of stream;
+    TLS has no half close: it is told when the socket closes) and read and discard what it
+    still sends until it closes, at most CLOSE_LINGER seconds."""
     with trio.move_on_after(CLOSE_LINGER):
         try:
-            await stream.send_eof()
+            if not isinstance(stream, trio.SSLStream):
+                await stream.send_eof()
             while await stream.receive_some(RECV_SIZE):
                 pass
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
             pass
+
+
+async def tls_handshake(
+    stream: trio.SSLStream[trio.SocketStream], cfg: TlsConfig, peer: str
+) -> str | None:
+    """The TLS handshake of a client of an amqps listener, at most ``cfg.handshake_timeout``
+    seconds (a client that connects and says nothing must not hold a connection); the user its
+    verified certificate names ("" for none), or None when the handshake failed (logged, the
+    socket closed). Decided here once, by the member that accepted the socket: the name then
+    travels in ClientConnected, so every replica gives the same login answer."""
+    why = "handshake timed out"
+    with trio.move_on_after(cfg.handshake_timeout):
+        try:
+            await stream.do_handshake()
+            why = ""
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            cause = e.__cause__
+            why = (
+                getattr(cause, "verify_message", None)
+                or getattr(cause, "reason", None)
+                or str(cause or e)
+                or "connection closed during the handshake"
+            )
+    if why:
+        log.info("tls handshake failed peer=%s reason=%r", peer, why)
+        await trio.aclose_forcefully(stream)
+        return None
+    try:
+        cert = stream.getpeercert()
+    except (ValueError, ssl.SSLError):
+        cert = None
+    user = cert_identity(cert, cfg.cert_login_from)
+    if cert and not user:
+        log.info("tls client certificate names no user peer=%s from=%s", peer, cfg.cert_login_from)
+    if len(user.encode()) > MAX_CERT_USER:
+        log.warning("tls client certificate name too long peer=%s bytes=%d", peer, len(user))
+        user = ""
+    return user
 
 
 def model_status(broker: Broker, local: int, with_digest: bool) -> dict[str, Any]:
@@ -489,16 +552,26 @@ def forced_close_frame(text: str) -> bytes:
 
 async def open_listeners(
     config: ServerConfig,
-) -> tuple[list[trio.SocketListener], list[tuple[str, int]]]:
-    """Open every configured AMQP listener; also the (host, port) pairs actually bound."""
-    listeners: list[trio.SocketListener] = []
-    for host, port in (parse_listen(a) for a in config.listen):
-        listeners += await trio.open_tcp_listeners(port, host=host)
+) -> tuple[list[trio.abc.Listener[ClientStream]], list[tuple[str, int]]]:
+    """Open every configured AMQP listener, the amqps ones (``listen_tls``) after the others;
+    also the (host, port) pairs actually bound by the plain ones."""
+    listeners: list[trio.abc.Listener[ClientStream]] = []
     bound = []
-    for lst in listeners:
-        addr = lst.socket.getsockname()
-        bound.append((str(addr[0]), int(addr[1])))
-        log.info("listening host=%s port=%s", addr[0], addr[1])
+    for host, port in (parse_listen(a) for a in config.listen):
+        for lst in await trio.open_tcp_listeners(port, host=host):
+            addr = lst.socket.getsockname()
+            bound.append((str(addr[0]), int(addr[1])))
+            log.info("listening host=%s port=%s", addr[0], addr[1])
+            listeners.append(lst)
+    if config.listen_tls:
+        assert config.tls is not None, "settings refuse listen_tls without [tls]"
+        ctx = server_context(config.tls)
+        for host, port in (parse_listen(a) for a in config.listen_tls):
+            for lst in await trio.open_tcp_listeners(port, host=host):
+                addr = lst.socket.getsockname()
+                log.info("listening amqps host=%s port=%s", addr[0], addr[1])
+                # The handshake is not the listener's: Node.handle does it, under a timeout.
+                listeners.append(trio.SSLListener(lst, ctx, https_compatible=False))
     return listeners, bound
 
 

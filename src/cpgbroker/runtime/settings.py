@@ -10,8 +10,9 @@ from typing import Any
 import attrs
 
 from cpgbroker.errors import ConfigError
-from cpgbroker.model import auth
-from cpgbroker.model.config import BrokerConfig, User
+from cpgbroker.model import auth, permissions
+from cpgbroker.model.config import BrokerConfig, Permission, User
+from cpgbroker.runtime.tls import TlsConfig, parse_tls
 from cpgbroker.store.store import FSYNC_POLICIES, RECOVER_WITH, StoreSettings
 
 
@@ -59,11 +60,17 @@ class ClusterConfig:
     # ``cpgbroker start --force-boot`` (never from the file): after a whole-cluster stop,
     # serve from this member's store without waiting for ``size`` members.
     force_boot: bool = False
+    # Serve on a corosync ring without crypto_cipher/crypto_hash although it is not
+    # loopback-only: only where the network is private to the cluster (client bytes and
+    # PLAIN passwords cross the ring).
+    allow_plaintext_ring: bool = False
 
 
 @attrs.frozen
 class ServerConfig:
     listen: tuple[str, ...] = ("127.0.0.1:5672",)
+    # amqps listeners (RabbitMQ's listeners.ssl.*), served with ``tls``; none by default.
+    listen_tls: tuple[str, ...] = ()
     log_level: str = "info"
     log_format: str = "logfmt"
     # Seconds a SIGTERM/SIGINT shutdown waits for clients to take their connection.close.
@@ -72,13 +79,20 @@ class ServerConfig:
     tick_ms: int = 100
     # HOST:PORT of the HTTP status endpoint (GET /status -> JSON); "" disables it.
     admin_listen: str = ""
-    # Control requests (POST /stop, /faults) must carry ``Authorization: Bearer <token>``;
-    # without a token they are accepted only on a loopback status endpoint.
+    # Every admin request (the status read too) must carry ``Authorization: Bearer <secret>``:
+    # the secret in this file (generated 0600 at first start, runtime/secret.py; "" = the
+    # default, ~/.cpgbroker/admin.secret of the broker's user) ...
+    admin_secret_file: str = ""
+    # ... or, when set, this fixed token instead (e.g. shared with a monitoring system).
     admin_token: str = ""
+    # Serve the admin endpoint over TLS with the [tls] certificate (https).
+    admin_tls: bool = False
     broker: BrokerConfig = attrs.Factory(BrokerConfig)
     cluster: ClusterConfig | None = None
     # The member's durable store (``[store]``; cluster members only); None: memory only.
     store: StoreSettings | None = None
+    # ``[tls]``: the certificate and client-certificate rules of ``listen_tls``; None: no TLS.
+    tls: TlsConfig | None = None
 
 
 def with_force_boot(cfg: ServerConfig) -> ServerConfig:
@@ -116,7 +130,7 @@ def load(path: str | None, listen: str | None = None) -> ServerConfig:
 
 
 def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
-    known = {"server", "limits", "users", "vhosts", "cluster", "log", "store"}
+    known = {"server", "limits", "users", "vhosts", "cluster", "log", "store", "tls"}
     unknown = sorted(k for k in data if k not in known)
     if unknown:
         raise ConfigError(f"unknown config section(s): {', '.join(unknown)}")
@@ -128,6 +142,14 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
         listeners = [listeners]
     if listen is not None:
         listeners = [listen]
+    listeners_tls = server.pop("listen_tls", [])
+    if isinstance(listeners_tls, str):
+        listeners_tls = [listeners_tls]
+    for addr in listeners_tls:
+        parse_listen(addr)
+    tls = parse_tls(data.get("tls"))
+    if listeners_tls and tls is None:
+        raise ConfigError("[server] listen_tls needs a [tls] section (certfile, keyfile, ...)")
     if "cluster" in data and "url" not in data["cluster"] and listeners:
         data["cluster"] = {**data["cluster"], "url": f"amqp://{listeners[0]}/"}
     for addr in listeners:
@@ -143,7 +165,9 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
                 password=_password(u),
                 password_hash=str(u.get("password_hash", "")),
                 hashing_algorithm=str(u.get("hashing_algorithm", auth.DEFAULT_ALGORITHM)),
-                vhosts=tuple(u.get("vhosts", ["/"])),
+                # With [[users.permissions]], no vhost is granted unless named.
+                vhosts=tuple(u.get("vhosts", [] if "permissions" in u else ["/"])),
+                permissions=_permissions(u),
                 loopback_only=bool(u.get("loopback_only", False)),
                 tags=tuple(u.get("tags", [])),
                 max_connections=_count_limit(u, "max_connections", "users"),
@@ -155,6 +179,17 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
         for vh in u.vhosts:
             if vh not in vhosts:
                 raise ConfigError(f"user {u.name!r} refers to vhost {vh!r} which is not declared")
+        for perm in u.permissions:
+            if perm.vhost not in vhosts:
+                raise ConfigError(
+                    f"user {u.name!r} has permissions on vhost {perm.vhost!r} which is not declared"
+                )
+            if perm.vhost in u.vhosts:
+                raise ConfigError(
+                    f"user {u.name!r}: vhost {perm.vhost!r} is both in vhosts (full "
+                    "permissions) and in [[users.permissions]]"
+                )
+        permissions.check_user(u)
     try:
         broker = BrokerConfig(
             users=users,
@@ -187,6 +222,7 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             watchdog_timeout=float(c.get("watchdog_timeout", 30.0)),
             max_apply_seconds=float(c.get("max_apply_seconds", 300.0)),
             fault_injection=bool(c.get("fault_injection", False)),
+            allow_plaintext_ring=bool(c.get("allow_plaintext_ring", False)),
         )
         if cluster.update_listen:
             parse_listen(cluster.update_listen)
@@ -204,6 +240,7 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             "watchdog_timeout",
             "max_apply_seconds",
             "fault_injection",
+            "allow_plaintext_ring",
         )
         unknown_c = sorted(k for k in c if k not in known_keys)
         if unknown_c:
@@ -218,6 +255,8 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             raise ConfigError("cluster.max_apply_seconds must be 0 (off) or positive")
         if not isinstance(c.get("fault_injection", False), bool):
             raise ConfigError("cluster.fault_injection must be true or false")
+        if not isinstance(c.get("allow_plaintext_ring", False), bool):
+            raise ConfigError("cluster.allow_plaintext_ring must be true or false")
     store = _store(dict(data["store"])) if "store" in data else None
     if store is not None and cluster is None:
         raise ConfigError("[store] needs [cluster]: the store records a cluster member's stream")
@@ -225,19 +264,39 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
     if admin_listen:
         parse_listen(admin_listen)
     admin_token = str(server.get("admin_token", ""))
+    admin_secret_file = str(server.get("admin_secret_file", ""))
+    admin_tls = server.get("admin_tls", False)
+    if not isinstance(admin_tls, bool):
+        raise ConfigError("server.admin_tls must be true or false")
+    if admin_tls and tls is None:
+        raise ConfigError("[server] admin_tls needs a [tls] section (certfile, keyfile)")
     extra = sorted(
-        k for k in server if k not in ("shutdown_grace", "tick_ms", "admin", "admin_token")
+        k
+        for k in server
+        if k
+        not in (
+            "shutdown_grace",
+            "tick_ms",
+            "admin",
+            "admin_token",
+            "admin_secret_file",
+            "admin_tls",
+        )
     )
     if extra:
         raise ConfigError(f"unknown [server] key(s): {', '.join(extra)}")
     return ServerConfig(
         listen=tuple(listeners),
+        listen_tls=tuple(listeners_tls),
+        tls=tls,
         log_level=str(log.get("level", "info")),
         log_format=str(log.get("format", "logfmt")),
         shutdown_grace=float(server.get("shutdown_grace", 5.0)),
         tick_ms=int(server.get("tick_ms", 100)),
         admin_listen=admin_listen,
         admin_token=admin_token,
+        admin_secret_file=admin_secret_file,
+        admin_tls=admin_tls,
         broker=broker,
         cluster=cluster,
         store=store,
@@ -345,6 +404,34 @@ def _password(u: dict[str, Any]) -> str:
             )
         return ""
     return str(u["password"])
+
+
+def _permissions(u: dict[str, Any]) -> tuple[Permission, ...]:
+    """[[users.permissions]]: vhost, configure, write, read, all required (as rabbitmqctl
+    set_permissions); the patterns are checked once the users are built."""
+    name = u.get("name", "?")
+    raw = u.get("permissions", [])
+    if not isinstance(raw, list) or not all(isinstance(p, dict) for p in raw):
+        raise ConfigError(f"[[users]] {name!r}: permissions must be [[users.permissions]] tables")
+    out: list[Permission] = []
+    for p in raw:
+        keys = ("vhost", *permissions.FIELDS)
+        missing = [k for k in keys if k not in p]
+        unknown = sorted(k for k in p if k not in keys)
+        if missing or unknown:
+            raise ConfigError(
+                f"[[users.permissions]] of user {name!r} "
+                + (f"is missing {', '.join(missing)}" if missing else "")
+                + (" and " if missing and unknown else "")
+                + (f"has unknown key(s) {', '.join(unknown)}" if unknown else "")
+            )
+        bad = [k for k in keys if not isinstance(p[k], str)]
+        if bad:
+            raise ConfigError(f"user {name!r}, vhost {p['vhost']!r}: {bad[0]} must be a string")
+        if any(q.vhost == p["vhost"] for q in out):
+            raise ConfigError(f"user {name!r} has two permissions entries for vhost {p['vhost']!r}")
+        out.append(Permission(p["vhost"], p["configure"], p["write"], p["read"]))
+    return tuple(out)
 
 
 def _req(d: dict[str, Any], key: str, section: str) -> Any:

@@ -56,6 +56,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -151,12 +152,15 @@ class BusyFeeder:
     module docstring). Start it from the event loop's thread: it watches that thread's CPU
     clock.
 
+    ``feed`` gives one sign of life to whatever watches the member: its watchdog process
+    (:func:`feed`) and, under systemd, systemd's watchdog too.
+
     Owns: the thread and its :class:`BusyRule`. Never touches the member: it reads the mark."""
 
     def __init__(
-        self, proc: subprocess.Popen[bytes], mark: ApplyMark, period: float, max_apply: float
+        self, feed: Callable[[], None], mark: ApplyMark, period: float, max_apply: float
     ) -> None:
-        self._proc = proc
+        self._feed = feed
         self._mark = mark
         self._period = period
         self._max_apply = max_apply
@@ -183,7 +187,7 @@ class BusyFeeder:
             seq = mark.seq
             verdict = rule.look(seq, time.monotonic(), cpu())
             if verdict == BUSY:
-                feed(self._proc)
+                self._feed()
             # Once per long event and verdict (events seen at one look only are short: the
             # look just fell inside one): an operator sees why the member does not answer.
             if seq == prev != 0 and verdict in (BUSY, TOO_LONG) and told != (seq, verdict):

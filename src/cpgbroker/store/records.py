@@ -46,7 +46,11 @@ _DATA = struct.Struct(">BQ")
 _Q = struct.Struct(">BQ")
 _QQ = struct.Struct(">BQQ")
 _QH = struct.Struct(">BQH")
-_CONN = struct.Struct(">BQQ?")
+# type, conn, member, flags (loopback; TLS: then the peer is length-prefixed and the
+# certificate's user follows it).
+_CONN = struct.Struct(">BQQB")
+_F_LOOPBACK = 1
+_F_TLS = 2
 _LEN = struct.Struct(">I")
 
 
@@ -67,7 +71,14 @@ def encode(ev: Event, failed: bool = False) -> bytes:
         return _QQ.pack(R_DO_OUTPUT | flag, ev.conn, ev.limit)  # type: ignore[union-attr]
     if t is ClientConnected:
         c: ClientConnected = ev  # type: ignore[assignment]
-        return _CONN.pack(R_CONNECTED | flag, c.conn, c.member, c.loopback) + c.peer.encode()
+        if not c.tls:
+            return _CONN.pack(R_CONNECTED | flag, c.conn, c.member, c.loopback) + c.peer.encode()
+        flags = (_F_LOOPBACK if c.loopback else 0) | _F_TLS
+        return (
+            _CONN.pack(R_CONNECTED | flag, c.conn, c.member, flags)
+            + _s(c.peer)
+            + c.cert_user.encode()
+        )
     if t is ClientDisconnected:
         return _Q.pack(R_DISCONNECTED | flag, ev.conn) + ev.reason.encode()  # type: ignore[union-attr]
     if t is CloseClient:
@@ -100,8 +111,15 @@ def decode(payload: bytes) -> tuple[Event, bool]:
         _, conn, limit = _QQ.unpack_from(payload)
         ev = DoOutput(conn, limit)
     elif kind == R_CONNECTED:
-        _, conn, member, loopback = _CONN.unpack_from(payload)
-        ev = ClientConnected(conn, member, payload[_CONN.size :].decode(), loopback)
+        _, conn, member, flags = _CONN.unpack_from(payload)
+        loopback = bool(flags & _F_LOOPBACK)
+        if not flags & _F_TLS:
+            ev = ClientConnected(conn, member, payload[_CONN.size :].decode(), loopback)
+        else:
+            (n,) = _LEN.unpack_from(payload, _CONN.size)
+            p = _CONN.size + _LEN.size
+            peer = payload[p : p + n].decode()
+            ev = ClientConnected(conn, member, peer, loopback, True, payload[p + n :].decode())
     elif kind == R_DISCONNECTED:
         ev = ClientDisconnected(_Q.unpack_from(payload)[1], payload[_Q.size :].decode())
     elif kind == R_CLOSE_CLIENT:

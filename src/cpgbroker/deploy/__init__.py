@@ -1,0 +1,1 @@
+"""Deployment: the files a real cluster runs from (``cpgbroker cluster init``)."""
