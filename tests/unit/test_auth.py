@@ -27,6 +27,8 @@ def test_a_hash_in_rabbitmqs_format_checks_its_password() -> None:
     u = User("alice", "", password_hash=HASH)
     assert auth.password_ok(u, "s3cret")
     assert not auth.password_ok(u, "s3cret ") and not auth.password_ok(u, "")
+    # A blank password never logs in (RabbitMQ refuses them), even one configured blank.
+    assert not auth.password_ok(User("blank", ""), "")
     assert auth.hash_password("s3cret", SALT) == HASH
     u512 = User(
         "bob",

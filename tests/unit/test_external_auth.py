@@ -174,3 +174,28 @@ def _connection_dicts(obj: Any) -> list[dict[str, Any]]:
     if isinstance(obj, (list, tuple)):
         return [d for v in obj for d in _connection_dicts(v)]
     return []
+
+
+def test_a_user_without_a_password_logs_in_by_certificate_only() -> None:
+    from cpgbroker.runtime.settings import from_dict
+
+    # RabbitMQ's `clear_password`: password_hash "" (what export_definitions writes then).
+    cfg = from_dict({"users": [{"name": DN, "password_hash": "", "vhosts": ["/"]}]}).broker
+    (user,) = cfg.users
+    assert not user.password and not user.password_hash
+    h = Harness(Broker(cfg))
+    h.tick(1_000)
+    c, _ = _connect(h, 1, tls=True, cert_user=DN)
+    assert isinstance(_external(c), C.Connection.OpenOk)
+    # Neither an empty nor any other password opens it over PLAIN.
+    for password in ("", "guess"):
+        c, _ = _connect(h, 2 + len(password), tls=True)
+        reply = c.rpc(
+            0,
+            C.Connection.StartOk(
+                client_properties={"capabilities": {"authentication_failure_close": True}},
+                mechanism="PLAIN",
+                response=f"\x00{DN}\x00{password}",
+            ),
+        )
+        assert isinstance(reply, C.Connection.Close) and reply.reply_code == 403

@@ -42,7 +42,11 @@ def valid_hash(password_hash: str, algorithm: str) -> bool:
 
 
 def password_ok(user: User, password: str) -> bool:
-    """Whether ``password`` is ``user``'s (compared in constant time)."""
+    """Whether ``password`` is ``user``'s (compared in constant time). A blank password never
+    is, as in RabbitMQ: neither one a client sends nor a user without any (``password_hash =
+    ""``: certificate (EXTERNAL) logins only)."""
+    if not password or not (user.password or user.password_hash):
+        return False
     if not user.password_hash:
         return hmac.compare_digest(user.password.encode(), password.encode())
     raw = base64.b64decode(user.password_hash)

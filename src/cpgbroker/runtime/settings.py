@@ -397,7 +397,8 @@ def _password(u: dict[str, Any]) -> str:
         raise ConfigError(f"[[users]] {name!r} needs either password or password_hash")
     if "password_hash" in u:
         algo = str(u.get("hashing_algorithm", auth.DEFAULT_ALGORITHM))
-        if not auth.valid_hash(str(u["password_hash"]), algo):
+        # "" as RabbitMQ's `clear_password`: no password login at all (EXTERNAL only).
+        if u["password_hash"] != "" and not auth.valid_hash(str(u["password_hash"]), algo):
             raise ConfigError(
                 f"[[users]] {name!r}: password_hash is not a {algo} hash in RabbitMQ's format "
                 "(make one with `cpgbroker hash-password`)"

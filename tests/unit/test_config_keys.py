@@ -1,0 +1,79 @@
+"""configs/cpgbroker.toml says it documents every key: hold it to that. Each configuration
+class's fields are the keys the loader accepts (under these names in the file)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import attrs
+
+from cpgbroker.model.config import BrokerConfig, Permission, User
+from cpgbroker.runtime import settings
+from cpgbroker.runtime.settings import ClusterConfig, ServerConfig
+from cpgbroker.runtime.tls import TlsConfig
+from cpgbroker.store.store import StoreSettings
+
+SHIPPED = Path(__file__).resolve().parents[2] / "configs" / "cpgbroker.toml"
+
+# Fields whose key in the file has another name, or that are sections or not keys at all.
+IN_THE_FILE_AS = {
+    (ServerConfig, "log_level"): "level",
+    (ServerConfig, "log_format"): "format",
+    (ServerConfig, "admin_listen"): "admin",
+    (ServerConfig, "broker"): None,  # [limits], [[users]], vhosts
+    (ServerConfig, "cluster"): "[cluster]",
+    (ServerConfig, "store"): "[store]",
+    (ServerConfig, "tls"): "[tls]",
+    (ClusterConfig, "force_boot"): None,  # `cpgbroker start --force-boot` only
+    (StoreSettings, "directory"): "dir",
+    (StoreSettings, "segment_bytes"): "segment_mib",
+    (StoreSettings, "snapshot_bytes"): "snapshot_mib",
+    (StoreSettings, "free_disk_limit"): "free_disk_limit_mib",
+    (BrokerConfig, "users"): "[[users]]",
+    # Set by the broker itself (server-properties, the members' URLs), not configurable.
+    (BrokerConfig, "product"): None,
+    (BrokerConfig, "version"): None,
+    (BrokerConfig, "cluster_name"): None,
+    (BrokerConfig, "member_urls"): None,
+    (User, "permissions"): "[[users.permissions]]",
+}
+
+
+def missing_keys(text: str) -> list[str]:
+    missing = []
+    classes = (
+        ServerConfig,
+        ClusterConfig,
+        StoreSettings,
+        TlsConfig,
+        BrokerConfig,
+        User,
+        Permission,
+    )
+    for cls in classes:
+        for field in attrs.fields(cls):
+            key = IN_THE_FILE_AS.get((cls, field.name), field.name)
+            if key is None:
+                continue
+            # A section header, or `key =` (commented out or not).
+            pattern = re.escape(key) if key.startswith("[") else rf"^#?\s*{re.escape(key)}\s*="
+            if not re.search(pattern, text, re.M):
+                missing.append(f"{cls.__name__}.{field.name} ({key})")
+    return missing
+
+
+def test_every_key_the_loader_takes_is_in_the_shipped_file() -> None:
+    text = SHIPPED.read_text()
+    assert missing_keys(text) == []
+    # The check sees a key that goes missing.
+    crippled = re.sub(r"^# allow_plaintext_ring = false$", "", text, flags=re.M)
+    assert missing_keys(crippled) == ["ClusterConfig.allow_plaintext_ring (allow_plaintext_ring)"]
+
+
+def test_the_values_the_shipped_file_shows_are_the_defaults() -> None:
+    shipped = settings.load(str(SHIPPED))
+    default = settings.from_dict({})
+    for name in ("listen", "shutdown_grace", "tick_ms", "log_level", "log_format"):
+        assert getattr(shipped, name) == getattr(default, name), name
+    assert attrs.evolve(shipped.broker, users=()) == attrs.evolve(default.broker, users=())
