@@ -409,43 +409,17 @@ def test_status_command_shows_members_and_queues(brokers: BrokerSet) -> None:
     c = connect(brokers, 1)
     c.channel().queue_declare("visible")
     brokers.converged([1, 2, 3])  # member 2 may apply the declare a moment after member 1
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cpgbroker",
-            "status",
-            "--url",
-            brokers.admin(2),
-            "--secret-file",
-            str(brokers.secret_path()),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+
+    def status(*extra: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "cpgbroker", "status", *brokers.cli_args(2), *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+
+    out = status()
     assert out.returncode == 0, out.stderr
     assert "state: ready" in out.stdout
     assert "queue /:visible" in out.stdout
     assert "connections: 0 local, 1 shadow" in out.stdout
-    js = json.loads(
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "cpgbroker",
-                "status",
-                "--url",
-                brokers.admin(2),
-                "--json",
-                "--secret-file",
-                str(brokers.secret_path()),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout
-    )
+    js = json.loads(status("--json").stdout)
     assert len(js["members"]) == 3 and all(m["status"] == "ready" for m in js["members"])
 
 

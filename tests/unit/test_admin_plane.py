@@ -21,6 +21,27 @@ from cpgbroker.errors import ConfigError
 from cpgbroker.runtime import admin, secret
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def status_cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``cpgbroker status ARGS`` as a user whose home is ``home``, with no secret in the
+    environment."""
+    env = {**os.environ, "HOME": str(home)}
+    env.pop("CPGBROKER_ADMIN_TOKEN", None)
+    env.pop("CPGBROKER_ADMIN_SECRET_FILE", None)
+    return subprocess.run(
+        [sys.executable, "-m", "cpgbroker", "status", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+
+
 async def _ask(port: int, request: bytes) -> bytes:
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
@@ -116,16 +137,7 @@ def test_a_secret_others_can_read_is_refused(tmp_path: Path) -> None:
 
 
 def test_the_cli_says_where_the_secret_is_missing(tmp_path: Path) -> None:
-    env = {**os.environ, "HOME": str(tmp_path)}
-    env.pop("CPGBROKER_ADMIN_TOKEN", None)
-    env.pop("CPGBROKER_ADMIN_SECRET_FILE", None)
-    out = subprocess.run(
-        [sys.executable, "-m", "cpgbroker", "status", "--url", "http://127.0.0.1:9"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    out = status_cli(tmp_path, "--url", "http://127.0.0.1:9")
     assert out.returncode == 1
     assert f"no admin secret at {tmp_path}/.cpgbroker/admin.secret" in out.stderr
 
@@ -136,27 +148,16 @@ async def test_a_standalone_broker_generates_its_secret_and_the_cli_uses_it(
     from cpgbroker.runtime import main as runtime_main
     from cpgbroker.runtime import settings
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     path = tmp_path / "admin.secret"
     toml = tmp_path / "cpgbroker.toml"
     toml.write_text(
         f'[server]\nlisten = ["127.0.0.1:0"]\nadmin = "127.0.0.1:{port}"\n'
         f'admin_secret_file = "{path}"\n'
     )
-    env = {**os.environ, "HOME": str(tmp_path)}
-    env.pop("CPGBROKER_ADMIN_TOKEN", None)
-    env.pop("CPGBROKER_ADMIN_SECRET_FILE", None)
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "cpgbroker", "status", *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=60,
-        )
+        return status_cli(tmp_path, *args)
 
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
@@ -183,9 +184,7 @@ async def test_the_admin_endpoint_over_https_with_the_cli_verifying_it(tmp_path:
     ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
     other = trustme.CA()
     other.cert_pem.write_to_path(str(tmp_path / "other-ca.pem"))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     toml = tmp_path / "cpgbroker.toml"
     toml.write_text(
         f'[server]\nlisten = ["127.0.0.1:0"]\nadmin = "127.0.0.1:{port}"\n'
@@ -193,18 +192,9 @@ async def test_the_admin_endpoint_over_https_with_the_cli_verifying_it(tmp_path:
         f'[tls]\ncertfile = "{tmp_path}/member.pem"\nkeyfile = "{tmp_path}/member.pem"\n'
         f'cacertfile = "{tmp_path}/ca.pem"\n'
     )
-    env = {**os.environ, "HOME": str(tmp_path)}
-    env.pop("CPGBROKER_ADMIN_TOKEN", None)
-    env.pop("CPGBROKER_ADMIN_SECRET_FILE", None)
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "cpgbroker", "status", "--json", *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=60,
-        )
+        return status_cli(tmp_path, "--json", *args)
 
     secret_file = str(tmp_path / "admin.secret")
     with trio.fail_after(60):

@@ -147,6 +147,10 @@ class BrokerSet:
         ``cpgbroker status --secret-file`` takes it."""
         return self.dc.base / f"{self.name}.admin.secret"
 
+    def cli_args(self, nodeid: int) -> list[str]:
+        """The ``cpgbroker status / cluster stop / member stop`` options that reach a member."""
+        return ["--url", self.admin(nodeid), "--secret-file", str(self.secret_path())]
+
     def admin_target(self, nodeid: int) -> adminclient.AdminTarget:
         return adminclient.AdminTarget(
             f"http://127.0.0.1:{self.ports[nodeid][1]}",
