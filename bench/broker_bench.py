@@ -8,10 +8,15 @@
     python bench/broker_bench.py --cluster --store --rabbitmq   # durable: stores on, persistent
                                                                  # messages on a durable queue
     python bench/broker_bench.py --cluster --tls --only q_1p1c_1K_confirm  # amqp and amqps
+    python bench/broker_bench.py --cluster --tls --rabbitmq --only q_1p1c_1K_confirm
+                                  # + RabbitMQ 3-node quorum over amqp and amqps (one cluster)
+    python bench/broker_bench.py --cluster --plaintext-ring --only q_1p1c_1K_confirm
+                                  # corosync without crypto_cipher/crypto_hash
 
 Load comes from the shared ``amqp_load.py`` (its raw client costs ~20 us per message, so the
 broker is what is measured); RabbitMQ nodes from the shared ``rabbitmq_baseline.sh`` (private
-nodes under /tmp, stopped afterwards). Each configuration reports consume msg/s, latency
+nodes under /tmp, stopped afterwards; with ``--tls``, ``rabbitmq_cluster.sh`` here, whose nodes
+also listen for amqps). Each configuration reports consume msg/s, latency
 percentiles, broker CPU per message (all broker processes), and the ratio to RabbitMQ.
 Never run two benchmarks at once on a 2-core machine: the numbers would measure each other.
 """
@@ -226,21 +231,27 @@ def run_ours_cluster(
     repeat: int = 1,
     store: bool = False,
     tls: bool = False,
+    plaintext_ring: bool = False,
 ) -> dict[str, Any]:
     from cpgbroker.dev.brokers import BrokerSet
     from cpgbroker.dev.cluster import DevCluster
 
-    dc = DevCluster(3, prefix=f"bench-{os.getpid() % 100000}", token_ms=3000, realtime=realtime)
+    template = plaintext_template() if plaintext_ring else None
+    dc = DevCluster(
+        3,
+        prefix=f"bench-{os.getpid() % 100000}",
+        token_ms=3000,
+        realtime=realtime,
+        template=template,
+    )
     out: dict[str, Any] = {}
     certs = Path(tempfile.mkdtemp(prefix="cpgb-bench-tls-")) if tls else None
+    # Lands in [cluster] (no [store] section comes before it: main() refuses --store with it).
+    extra = "allow_plaintext_ring = true\n" if plaintext_ring else ""
+    if certs is not None:
+        extra += tls_config(certs)
     with dc:  # up on enter, down on exit
-        brokers = BrokerSet(
-            dc,
-            event_log=False,
-            store=store,
-            tls=tls,
-            extra_config=tls_config(certs) if certs is not None else "",
-        )
+        brokers = BrokerSet(dc, event_log=False, store=store, tls=tls, extra_config=extra)
         brokers.start_all()
         urls = [brokers.url(n) for n in (1, 2, 3)]
         pids = [p.pid for p in brokers.procs.values()]
@@ -280,6 +291,7 @@ def run_ours_cluster(
                     # The same load over amqps, on the same cluster, right after.
                     tls_urls = [brokers.tls_url(n) for n in (1, 2, 3)]
                     ca = str(certs / "ca.pem")
+                    out.setdefault("tls_negotiated", negotiated(brokers.tls_ports[1], ca))
                     runs = [
                         summary(load(shared, tls_urls, pids, args, secs, ca)) for _ in range(repeat)
                     ]
@@ -291,16 +303,46 @@ def run_ours_cluster(
     return out
 
 
+def plaintext_template() -> Path:
+    """A copy of the dev cluster's corosync.conf template without ring encryption."""
+    text = (ROOT / "configs" / "corosync.conf.in").read_text()
+    plain = re.sub(r"crypto_cipher: \S+", "crypto_cipher: none", text)
+    plain = re.sub(r"crypto_hash: \S+", "crypto_hash: none", plain)
+    assert plain != text, "the template's crypto settings were not found"
+    fd, name = tempfile.mkstemp(prefix="cpgb-bench-corosync-", suffix=".conf.in")
+    os.write(fd, plain.encode())
+    os.close(fd)
+    return Path(name)
+
+
 def tls_config(directory: Path) -> str:
     """Test certificates (trustme, from the test extra) in ``directory``: the ``[tls]`` section
-    of the members (RabbitMQ's defaults otherwise: no client certificates)."""
+    of the members (RabbitMQ's defaults otherwise: no client certificates). ``cert.pem`` and
+    ``key.pem`` are the same certificate for RabbitMQ's ssl_options."""
     import trustme
 
     ca = trustme.CA()
     server = ca.issue_cert("127.0.0.1", "localhost")
     ca.cert_pem.write_to_path(str(directory / "ca.pem"))
     server.private_key_and_cert_chain_pem.write_to_path(str(directory / "server.pem"))
+    server.private_key_pem.write_to_path(str(directory / "key.pem"))
+    (directory / "cert.pem").write_bytes(b"".join(b.bytes() for b in server.cert_chain_pems))
     return f'\n[tls]\ncertfile = "{directory / "server.pem"}"\n'
+
+
+def negotiated(port: int, cafile: str) -> str:
+    """The TLS version and cipher a default client context gets from ``port`` (both brokers
+    are measured with what they negotiate with the same client)."""
+    import socket
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=cafile)
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s,
+    ):
+        cipher = s.cipher()
+        return f"{s.version()} {cipher[0] if cipher else '?'}"
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -334,6 +376,34 @@ def run_rabbitmq(shared: Path, phase: str, secs: float, names: list[str]) -> dic
         f = base / "results" / phase / f"{name}__r1.json"
         if f.exists():
             out[name] = summary(json.loads(f.read_text()))
+    return out
+
+
+def run_rabbitmq_tls(shared: Path, secs: float, names: list[str], repeat: int) -> dict[str, Any]:
+    """RabbitMQ 3-node quorum queues over amqp and then amqps, each configuration in turn on
+    the same cluster (``rabbitmq_cluster.sh``: the shared baseline script has no TLS)."""
+    base = Path(tempfile.mkdtemp(prefix="rmq-bench-tls-"))
+    certs = base / "certs"
+    certs.mkdir()
+    tls_config(certs)
+    script = Path(__file__).with_name("rabbitmq_cluster.sh")
+    env = dict(os.environ, RMQ_TLS_BASE=str(base))
+    out: dict[str, Any] = {}
+    try:
+        subprocess.run(["bash", str(script), "start", str(certs)], env=env, check=True, timeout=900)
+        pids = [int((base / f"r{n}" / "beam.pid").read_text()) for n in (1, 2, 3)]
+        urls = [f"amqp://guest:guest@127.0.0.1:{5700 + n}/" for n in (1, 2, 3)]
+        tls_urls = [f"amqps://guest:guest@127.0.0.1:{5710 + n}/" for n in (1, 2, 3)]
+        ca = str(certs / "ca.pem")
+        out["tls_negotiated"] = negotiated(5711, ca)
+        for name in names:
+            args = [*CLUSTER[name], "--queue-type", "quorum"]
+            for key, u, c in ((name, urls, None), (f"{name}_tls", tls_urls, ca)):
+                runs = [summary(load(shared, u, pids, args, secs, c)) for _ in range(repeat)]
+                out[key] = median_run(runs)
+                print(f"rabbitmq cluster {key}: {out[key]}", file=sys.stderr)
+    finally:
+        subprocess.run(["bash", str(script), "stop"], env=env, check=False, timeout=300)
     return out
 
 
@@ -372,9 +442,17 @@ def main() -> int:
         help="with --cluster: run each configuration over amqp and then over amqps (TLS 1.2+, "
         "test certificates; reported as NAME_tls) on the same cluster",
     )
+    ap.add_argument(
+        "--plaintext-ring",
+        action="store_true",
+        help="with --cluster: corosync without ring encryption (crypto_cipher/crypto_hash "
+        "none; the members allow it), to measure what the encryption costs",
+    )
     args = ap.parse_args()
     if args.tls and not args.cluster:
         ap.error("--tls needs --cluster")
+    if args.plaintext_ring and (not args.cluster or args.store):
+        ap.error("--plaintext-ring needs --cluster, and not --store")
     started = time.time()
     if args.cluster:
         names = args.only.split(",") if args.only else list(CLUSTER)
@@ -389,6 +467,7 @@ def main() -> int:
             max(1, args.repeat),
             args.store,
             args.tls,
+            args.plaintext_ring,
         )
     else:
         ours = run_ours_standalone(args.shared, args.seconds)
@@ -398,15 +477,19 @@ def main() -> int:
         "corosync_realtime": args.realtime,
         "store": args.store,
         "tls": args.tls,
+        "ring_encryption": not args.plaintext_ring,
         "cpgbroker": ours,
     }
     if args.rabbitmq:
-        rmq = run_rabbitmq(
-            args.shared, "cluster" if args.cluster else "single", args.seconds, names
-        )
+        if args.tls:
+            rmq = run_rabbitmq_tls(args.shared, args.seconds, names, max(1, args.repeat))
+        else:
+            rmq = run_rabbitmq(
+                args.shared, "cluster" if args.cluster else "single", args.seconds, names
+            )
         result["rabbitmq"] = rmq
         ratios = {}
-        for name in names:
+        for name in [n + t for n in names for t in (("", "_tls") if args.tls else ("",))]:
             a, b = ours.get(name), rmq.get(name)
             if a and b and a.get("consume_msg_s") and b.get("consume_msg_s"):
                 ratios[name] = {

@@ -617,8 +617,8 @@ async def refuse(stream: ClientStream, text: str) -> None:
             await stream.receive_some(8)
             await stream.send_all(forced_close_frame(text))
         with trio.move_on_after(CLOSE_LINGER):
-            if not isinstance(stream, trio.SSLStream):  # TLS has no half close
-                await stream.send_eof()
+            # A no-op on amqps (TlsStream: TLS has no half close).
+            await stream.send_eof()
             while await stream.receive_some(RECV_SIZE):
                 pass
     await stream.aclose()

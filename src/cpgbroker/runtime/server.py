@@ -50,7 +50,13 @@ from cpgbroker.model.events import (
     WantOutput,
 )
 from cpgbroker.runtime.settings import ServerConfig, parse_listen
-from cpgbroker.runtime.tls import TlsConfig, cert_identity, server_context
+from cpgbroker.runtime.tls import (
+    TlsConfig,
+    TlsListener,
+    TlsStream,
+    cert_identity,
+    server_context,
+)
 
 log = logging.getLogger("cpgbroker.server")
 
@@ -77,7 +83,7 @@ CLOSE_LINGER = 1.0
 MAX_CERT_USER = 4096
 
 # A client's stream: TCP, or TLS over TCP (an amqps listener).
-ClientStream: TypeAlias = "trio.SocketStream | trio.SSLStream[trio.SocketStream]"
+ClientStream: TypeAlias = "trio.SocketStream | TlsStream"
 
 
 class LocalConn:
@@ -100,6 +106,7 @@ class LocalConn:
         "resume",
         "sending",
         "stream",
+        "tls",
         "wake",
         "want_output",
         "written",
@@ -127,8 +134,9 @@ class LocalConn:
         # come back through CPG); the reader stops while READ_CREDIT are in flight.
         self.inflight = 0
         self.credit_back = trio.Event()
-        # ``Node.write`` writes straight to the socket, unless TLS has to encrypt first (-1).
-        self.fd = -1 if isinstance(stream, trio.SSLStream) else stream.socket.fileno()
+        # ``Node.write`` writes straight to the socket (fd), or encrypts and writes (tls).
+        self.tls = stream if isinstance(stream, TlsStream) else None
+        self.fd = -1 if self.tls is not None else stream.socket.fileno()
         # The writer task is inside send_all: only it may write until it is done.
         self.sending = False
         # Output waiting, in order, for its event to become stable (cluster members only):
@@ -270,15 +278,24 @@ class Node:
     def write(self, lc: LocalConn, data: bytes) -> None:
         """Write now rather than one scheduling round later: the socket is non-blocking, and
         whatever it does not take goes to the writer task (in order, after what it holds)."""
-        if not lc.out and not lc.sending and not lc.closing and lc.fd >= 0:
-            try:
-                n = os.write(lc.fd, data)
-            except OSError:
-                n = 0  # would block, or an error the writer task meets and acts on
-            lc.written += n
-            if n == len(data):
+        if not lc.out and not lc.closing:
+            if lc.fd >= 0:
+                if not lc.sending:
+                    try:
+                        n = os.write(lc.fd, data)
+                    except OSError:
+                        n = 0  # would block, or an error the writer task meets and acts on
+                    lc.written += n
+                    if n == len(data):
+                        return
+                    data = data[n:]
+            elif lc.tls is not None and lc.tls.send_nowait(data):
+                # Encrypted behind everything before it, even while the writer is sending
+                # (it sends all the stream's ciphertext); the rest waits for the writer.
+                lc.written += len(data)
+                if lc.tls.unsent:
+                    lc.wake.set()
                 return
-            data = data[n:]
         lc.out += data
         lc.wake.set()
 
@@ -290,9 +307,8 @@ class Node:
 
     # -- per connection
     async def handle(self, stream: ClientStream) -> None:
-        tcp = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
         try:
-            peer_addr = tcp.socket.getpeername()
+            peer_addr = stream.socket.getpeername()
         except OSError:
             return
         host = str(peer_addr[0])
@@ -301,9 +317,9 @@ class Node:
             loopback = ipaddress.ip_address(host.split("%")[0]).is_loopback
         except ValueError:
             loopback = False
-        tls = isinstance(stream, trio.SSLStream)
+        tls = isinstance(stream, TlsStream)
         cert_user = ""
-        if isinstance(stream, trio.SSLStream):
+        if isinstance(stream, TlsStream):
             assert self.config.tls is not None
             got = await tls_handshake(stream, self.config.tls, peer)
             if got is None:
@@ -383,9 +399,11 @@ class Node:
 
     async def _writer(self, lc: LocalConn) -> None:
         stream = lc.stream
+        tls = lc.tls
         try:
             while True:
-                if lc.out:
+                if lc.out or (tls is not None and tls.unsent):
+                    # (TLS: also ciphertext a direct write left: send_all sends it first.)
                     data = lc.out
                     lc.out = bytearray()
                     lc.written += len(data)
@@ -464,17 +482,14 @@ async def _linger(stream: ClientStream) -> None:
     still sends until it closes, at most CLOSE_LINGER seconds."""
     with trio.move_on_after(CLOSE_LINGER):
         try:
-            if not isinstance(stream, trio.SSLStream):
-                await stream.send_eof()
+            await stream.send_eof()  # (TLS: nothing; it has no half close)
             while await stream.receive_some(RECV_SIZE):
                 pass
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
             pass
 
 
-async def tls_handshake(
-    stream: trio.SSLStream[trio.SocketStream], cfg: TlsConfig, peer: str
-) -> str | None:
+async def tls_handshake(stream: TlsStream, cfg: TlsConfig, peer: str) -> str | None:
     """The TLS handshake of a client of an amqps listener, at most ``cfg.handshake_timeout``
     seconds (a client that connects and says nothing must not hold a connection); the user its
     verified certificate names ("" for none), or None when the handshake failed (logged, the
@@ -571,7 +586,7 @@ async def open_listeners(
                 addr = lst.socket.getsockname()
                 log.info("listening amqps host=%s port=%s", addr[0], addr[1])
                 # The handshake is not the listener's: Node.handle does it, under a timeout.
-                listeners.append(trio.SSLListener(lst, ctx, https_compatible=False))
+                listeners.append(TlsListener(lst, ctx))
     return listeners, bound
 
 
