@@ -77,16 +77,16 @@ async def test_every_request_needs_the_secret_401_without_403_wrong(
                 b"POST /stop HTTP/1.0\r\n" + auth + b"Content-Length: 2\r\n\r\n{}",
             ):
                 answer = await _ask(port, req)
-                assert answer.startswith(b"HTTP/1.0 " + code), answer
+                assert answer.startswith(b"HTTP/1.1 " + code), answer
                 assert b'"state"' not in answer
                 if code == b"401":
                     assert b"WWW-Authenticate: Bearer" in answer
         assert calls == []
         ok = b"Authorization: Bearer s3cret\r\n"
         answer = await _ask(port, b"GET /status HTTP/1.0\r\n" + ok + b"\r\n")
-        assert answer.startswith(b"HTTP/1.0 200") and b'"ready"' in answer
+        assert answer.startswith(b"HTTP/1.1 200") and b'"ready"' in answer
         answer = await _ask(port, b"POST /stop HTTP/1.0\r\n" + ok + b"Content-Length: 2\r\n\r\n{}")
-        assert answer.startswith(b"HTTP/1.0 202") and calls == ["/stop"]
+        assert answer.startswith(b"HTTP/1.1 202") and calls == ["/stop"]
         nursery.cancel_scope.cancel()
     refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert len(refused) == 8 and all("peer=127.0.0.1" in m for m in refused)

@@ -377,13 +377,13 @@ async def test_control_requests_with_bad_bodies_get_400_and_the_endpoint_lives_o
         _host, port = await nursery.start(
             admin.serve_admin, "127.0.0.1:0", lambda _d: {"state": "ready"}, control, "s3cret"
         )
-        assert (await post(port, b"[" * 5000)).startswith(b"HTTP/1.0 400")
-        assert (await post(port, b"[1, 2]")).startswith(b"HTTP/1.0 400")
+        assert (await post(port, b"[" * 5000)).startswith(b"HTTP/1.1 400")
+        assert (await post(port, b"[1, 2]")).startswith(b"HTTP/1.1 400")
         for bad in (b'{"member": Infinity}', b'{"member": -1}', b'{"member": "3"}'):
             answer = await post(port, bad)
-            assert answer.startswith(b"HTTP/1.0 500"), answer
+            assert answer.startswith(b"HTTP/1.1 500"), answer
             assert b"non-negative integer" in answer
-        assert (await post(port, b'{"member": 7}')).startswith(b"HTTP/1.0 202")
+        assert (await post(port, b'{"member": 7}')).startswith(b"HTTP/1.1 202")
         assert seen == [7]
         nursery.cancel_scope.cancel()
 

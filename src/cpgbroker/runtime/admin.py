@@ -1,47 +1,45 @@
-"""A minimal HTTP endpoint for operators: ``GET /status[?digest=1]`` -> JSON for ``cpgbroker
-status`` (membership, connection counts, queue depths, the event sequence, the last digest
-checkpoint, quorum, error-check rounds), and on cluster members the control requests of
-``cpgbroker cluster stop`` / ``member stop`` (``POST /stop``) and, when a test configuration
-enables it, ``POST /faults``.
+"""The admin endpoint (``[server] admin``): a member's HTTP interface for operators and their
+tools, served over h11 (runtime/httpserve.py) with keep-alive.
 
-It trusts no one: every request, the status read included and on loopback too, must carry
-``Authorization: Bearer <admin secret>`` (runtime/secret.py: generated at first start, 0600,
-read by the CLI; or ``[server] admin_token``). Without it the answer is 401, with a wrong one
-403, and the refusal is logged with the peer's address, never with what it sent.
+* ``GET /status[?digest=1]`` -> JSON for ``cpgbroker status`` (membership, connection counts,
+  queue depths, the event sequence, the last digest checkpoint, quorum, error-check rounds),
+  and on cluster members the control requests of ``cpgbroker cluster stop`` / ``member stop``
+  (``POST /stop``) and, when a test configuration enables it, ``POST /faults``. These trust
+  no one: every request, the status read included and on loopback too, must carry
+  ``Authorization: Bearer <admin secret>`` (runtime/secret.py: generated at first start,
+  0600, read by the CLI; or ``[server] admin_token``). Without it the answer is 401, with a
+  wrong one 403, and the refusal is logged with the peer's address, never with what it sent.
+* ``GET /api/...``: RabbitMQ's management HTTP API, the read side (runtime/mgmt_api.py), and
+  ``GET /metrics`` in Prometheus' text format (runtime/metrics.py). As RabbitMQ's, they take
+  HTTP Basic logins of broker users with a management tag, and the admin secret as a Bearer
+  token too (operators' tools). Refusals are logged with the user and the peer, never the
+  password.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import logging
+import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 
+from cpgbroker.model.broker import Broker
+from cpgbroker.model.config import User
+from cpgbroker.runtime import metrics, mgmt_api
 from cpgbroker.runtime import secret as admin_secret
+from cpgbroker.runtime.httpserve import Request, Response, serve_connection
 from cpgbroker.runtime.settings import ServerConfig, parse_listen
 
 log = logging.getLogger("cpgbroker.admin")
 
-# Requests are one short line plus headers (and a small JSON body); anything bigger is not
-# for us.
-MAX_REQUEST = 8192
-
 # POST path, JSON body -> (HTTP status, JSON answer)
 Control = Callable[[str, dict[str, Any]], Awaitable[tuple[int, dict[str, Any]]]]
-_REASONS = {
-    200: "OK",
-    202: "Accepted",
-    401: "Unauthorized",
-    400: "Bad Request",
-    403: "Forbidden",
-    404: "Not Found",
-    409: "Conflict",
-    500: "Internal Server Error",
-}
 # A control request waits for its multicast to come back (``ClusterNode.request_stop``: 10 s).
 REQUEST_TIMEOUT = 20
 
@@ -54,16 +52,6 @@ def json_int(args: dict[str, Any], key: str, default: int) -> int:
     if type(v) is not int or not 0 <= v < 1 << 63:
         raise ValueError(f"{key} must be a non-negative integer, not {v!r}")
     return v
-
-
-def _split_request(request: bytes) -> tuple[list[str], bytes, dict[str, str]]:
-    head, _, body = request.partition(b"\r\n\r\n")
-    lines = head.decode(errors="replace").split("\r\n")
-    headers = {}
-    for h in lines[1:]:
-        name, _, value = h.partition(":")
-        headers[name.strip().lower()] = value.strip()
-    return lines[0].split(), body, headers
 
 
 def load_secret(config: ServerConfig) -> str:
@@ -105,6 +93,106 @@ def refusal(secret: str, authorization: str) -> tuple[int, str] | None:
     return 403, "the admin secret does not match this member's"
 
 
+def _json(status: int, answer: Any, headers: tuple[tuple[str, str], ...] = ()) -> Response:
+    return Response(status, json.dumps(answer, indent=2, default=str).encode(), headers=headers)
+
+
+def _loopback(peer: str) -> bool:
+    try:
+        return ipaddress.ip_address(peer.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+class AdminRoutes:
+    """What the endpoint answers, request by request (the HTTP layer is httpserve's).
+
+    ``replica`` gives the member's model (None while it has none to show): with it, the
+    endpoint also serves ``/api`` and ``/metrics``; ``users`` are who may log in there (the
+    configuration's, until users become replicated state)."""
+
+    def __init__(
+        self,
+        status: Callable[[bool], dict[str, Any]],
+        control: Control | None,
+        secret: str,
+        replica: Callable[[], Broker | None] | None = None,
+        users: tuple[User, ...] = (),
+    ) -> None:
+        self.status = status
+        self.control = control
+        self.secret = secret
+        self.replica = replica
+        self.users = users
+        self.host = socket.gethostname()
+        self.api = mgmt_api.ManagementApi()
+        self.registry = metrics.registry_for(self.view)
+
+    def view(self) -> mgmt_api.ClusterView:
+        broker = None if self.replica is None else self.replica()
+        return mgmt_api.cluster_view(self.status(False), broker, self.host)
+
+    def _refused(self, req: Request, status: int, user: str = "", why: str = "") -> None:
+        extra = f" user={user!r} reason={why!r}" if user or why else ""
+        log.warning(
+            "admin request refused peer=%s method=%s path=%s status=%d%s",
+            req.peer,
+            req.method or "-",
+            req.path or "-",
+            status,
+            extra,
+        )
+
+    async def handle(self, req: Request) -> Response:
+        if self.replica is not None and (
+            req.path == "/metrics" or mgmt_api.split_path(req.path) is not None
+        ):
+            return self._management(req)
+        refused = refusal(self.secret, req.headers.get("authorization", ""))
+        if refused is not None:
+            self._refused(req, refused[0])
+            challenge = (("WWW-Authenticate", 'Bearer realm="cpgbroker"'),)
+            return _json(refused[0], {"error": refused[1]}, challenge if refused[0] == 401 else ())
+        if req.method == "GET" and req.path in ("/", "/status"):
+            # ?digest=1 adds the current model digest (costs a full snapshot).
+            return _json(200, self.status("digest=1" in req.query))
+        if req.method == "POST" and self.control is not None:
+            try:
+                args = json.loads(req.body or b"{}")
+                if not isinstance(args, dict):
+                    raise ValueError("not a JSON object")
+            except (ValueError, RecursionError) as e:
+                return _json(400, {"error": f"the body is not a JSON object: {e}"})
+            try:
+                with trio.fail_after(REQUEST_TIMEOUT):
+                    http, answer = await self.control(req.path, args)
+            except Exception as e:
+                # Whatever a request does wrong, the member goes on serving.
+                log.exception("control request %s failed", req.path)
+                return _json(500, {"error": f"{type(e).__name__}: {e}"})
+            return _json(http, answer)
+        return _json(404, {"error": "GET /status, or POST /stop on a member"})
+
+    def _management(self, req: Request) -> Response:
+        parts = mgmt_api.split_path(req.path)
+        if req.method not in ("GET", "HEAD"):
+            # The write side of the API (declare, delete, users, policies) is not served yet.
+            return _json(405, {"error": "Method Not Allowed", "reason": "read-only API"})
+        view = self.view()
+        users = view.broker.config.users if view.broker is not None else self.users
+        need = mgmt_api.MONITOR_TAGS if parts is None else mgmt_api.needed_tags(parts)
+        who = mgmt_api.authenticate(
+            req.headers.get("authorization", ""), users, self.secret, _loopback(req.peer), need
+        )
+        if isinstance(who, mgmt_api.Refusal):
+            self._refused(req, who.status, who.user, who.why)
+            return _json(who.status, who.body, who.headers)
+        if parts is None:
+            return Response(200, metrics.render(self.registry), metrics.CONTENT_TYPE)
+        answer = self.api.get(parts, view, who, req.query)
+        return _json(answer.status, answer.body)
+
+
 async def serve_admin(
     addr: str,
     status: Callable[[bool], dict[str, Any]],
@@ -112,11 +200,14 @@ async def serve_admin(
     secret: str = "",
     *,
     ssl_context: ssl.SSLContext | None = None,
+    replica: Callable[[], Broker | None] | None = None,
+    users: tuple[User, ...] = (),
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     if not secret:
         # No default that opens the endpoint: the caller must have loaded or made a secret.
         raise ValueError("serve_admin needs the admin secret")
+    routes = AdminRoutes(status, control, secret, replica, users)
     host, port = parse_listen(addr)
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = listeners[0].socket.getsockname()
@@ -134,65 +225,13 @@ async def serve_admin(
         except OSError:
             peer = "?"
         try:
-            with trio.move_on_after(REQUEST_TIMEOUT):
-                if ssl_context is not None:
-                    stream = trio.SSLStream(tcp, ssl_context, server_side=True)
+            if ssl_context is not None:
+                stream = trio.SSLStream(tcp, ssl_context, server_side=True)
+                with trio.move_on_after(REQUEST_TIMEOUT) as handshake:
                     await stream.do_handshake()
-                request = b""
-                while b"\r\n\r\n" not in request and len(request) < MAX_REQUEST:
-                    chunk = await stream.receive_some(4096)
-                    if not chunk:
-                        break
-                    request += chunk
-                line, payload, headers = _split_request(request)
-                declared = headers.get("content-length", "")
-                length = int(declared) if declared.isdigit() else 0
-                while len(payload) < min(length, MAX_REQUEST):
-                    chunk = await stream.receive_some(4096)
-                    if not chunk:
-                        break
-                    payload += chunk
-                payload = payload[:length]
-                path, _, query = line[1].partition("?") if len(line) >= 2 else ("", "", "")
-                answer: Any
-                method = line[0] if line else ""
-                refused = refusal(secret, headers.get("authorization", ""))
-                if refused is not None:
-                    http, answer = refused[0], {"error": refused[1]}
-                    log.warning(
-                        "admin request refused peer=%s method=%s path=%s status=%d",
-                        peer,
-                        method or "-",
-                        path or "-",
-                        http,
-                    )
-                elif method == "GET" and path in ("/", "/status"):
-                    # ?digest=1 adds the current model digest (costs a full snapshot).
-                    http, answer = 200, status("digest=1" in query)
-                elif method == "POST" and control is not None:
-                    try:
-                        args = json.loads(payload or b"{}")
-                        if not isinstance(args, dict):
-                            raise ValueError("not a JSON object")
-                    except (ValueError, RecursionError) as e:
-                        http, answer = 400, {"error": f"the body is not a JSON object: {e}"}
-                    else:
-                        try:
-                            http, answer = await control(path, args)
-                        except Exception as e:
-                            # Whatever a request does wrong, the member goes on serving.
-                            log.exception("control request %s failed", path)
-                            http, answer = 500, {"error": f"{type(e).__name__}: {e}"}
-                else:
-                    http, answer = 404, {"error": "GET /status, or POST /stop on a member"}
-                body = json.dumps(answer, indent=2, default=str).encode()
-                code = f"{http} {_REASONS.get(http, 'Error')}"
-                challenge = 'WWW-Authenticate: Bearer realm="cpgbroker"\r\n' if http == 401 else ""
-                await stream.send_all(
-                    f"HTTP/1.0 {code}\r\nContent-Type: application/json\r\n{challenge}"
-                    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-                    + body
-                )
+                if handshake.cancelled_caught:
+                    return
+            await serve_connection(stream, routes.handle, peer)
         except trio.BrokenResourceError as e:
             # trio wraps TLS failures (a client that does not trust our certificate, or that
             # speaks plain HTTP to an https endpoint): worth a line, not a traceback.

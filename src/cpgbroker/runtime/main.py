@@ -48,8 +48,15 @@ async def serve(
         if config.admin_listen:
             from cpgbroker.runtime import admin
 
+            standalone = node.standalone
             await nursery.start(
-                functools.partial(admin.serve_admin, ssl_context=admin.admin_ssl_context(config)),
+                functools.partial(
+                    admin.serve_admin,
+                    ssl_context=admin.admin_ssl_context(config),
+                    # The management API and /metrics read the model between events.
+                    replica=lambda: None if standalone is None else standalone.broker,
+                    users=config.broker.users,
+                ),
                 config.admin_listen,
                 node.status,
                 None,

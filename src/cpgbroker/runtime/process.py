@@ -161,6 +161,15 @@ class MemberProcess:
             out["last_suspension"] = self.last_suspension
         return out
 
+    def replica(self) -> Broker | None:
+        """The model the management API and /metrics read: the current incarnation's while it
+        serves (before, a newcomer's model is still empty or half transferred; once suspended,
+        it is no longer the cluster's state)."""
+        node = self.node
+        if node is None or node.suspended is not None or not node.serving:
+            return None
+        return node.broker
+
     async def control(self, path: str, args: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """``POST /stop`` {"member": ID} (none: the whole cluster) and ``POST /faults``
         {"kind", "at_seq", "seconds"} from the status endpoint."""
@@ -261,7 +270,10 @@ class MemberProcess:
                 # Before readiness: ``status`` shows a joining member's quorum and progress.
                 await outer.start(
                     functools.partial(
-                        admin.serve_admin, ssl_context=admin.admin_ssl_context(config)
+                        admin.serve_admin,
+                        ssl_context=admin.admin_ssl_context(config),
+                        replica=self.replica,
+                        users=config.broker.users,
                     ),
                     config.admin_listen,
                     self.status,
