@@ -11,9 +11,12 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 # systemd: `systemd-analyze verify` checks configs/systemd/cpgbroker.service in the tests
 # (minimal images leave it out; nothing here needs systemd running).
 # vagrant: `vagrant validate` checks vagrant/Vagrantfile in the tests (no hypervisor needed).
+# chromium, chromium-driver: the web dashboard's test loads the page in a real headless browser
+# (tests/integration/test_dashboard_browser.py, through selenium); Debian's build, since
+# browser downloads of their own cannot be fetched everywhere the tests run.
 APT_PACKAGES=(corosync libcpg-dev libcorosync-common-dev libquorum-dev libvotequorum-dev
   libcmap-dev libqb-dev gcc python3-dev python3-venv iproute2 procps default-jre-headless
-  systemd vagrant)
+  systemd vagrant chromium chromium-driver)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -4,4 +4,4 @@ __version__ = "0.1.0"
 
 # Bumped whenever the model's replicated behaviour or snapshot format changes: every member of a
 # cluster must run the same model version, and a newcomer of another version is refused.
-MODEL_VERSION = 6
+MODEL_VERSION = 7

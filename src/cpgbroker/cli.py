@@ -130,7 +130,21 @@ def main(argv: list[str] | None = None) -> int:
         "stop", parents=[admin_url, stop_opts], help="stop one member (the others serve on)"
     )
     member_stop.add_argument("id", type=int, help="member id (see cpgbroker status)")
-    ns = parser.parse_args(args)
+    ctl = sub.add_parser(
+        "ctl",
+        parents=[admin_url],
+        help="rabbitmqctl's everyday commands (add_user, set_permissions, set_policy, "
+        "list_queues, ...) against a member: 'cpgbroker ctl help' lists them",
+    )
+    ctl.add_argument("ctl_args", nargs=argparse.REMAINDER, help="a rabbitmqctl command")
+    if args and args[0] == "ctl":
+        # The admin endpoint's options are ours, anywhere on the line; the rest, in order, are
+        # the rabbitmqctl command's (its -p, -q ... may come before the command's name).
+        mine, rest = _admin_options(args[1:])
+        ns = parser.parse_args(["ctl", *mine])
+        ns.ctl_args = rest
+    else:
+        ns = parser.parse_args(args)
     if ns.command == "start":
         from cpgbroker.runtime import main as runtime_main
 
@@ -139,7 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         return _hash_password()
     if ns.command == "cluster" and ns.action == "init":
         return _cluster_init(ns)
-    if ns.command in ("status", "cluster", "member"):
+    if ns.command == "ctl" and (not ns.ctl_args or ns.ctl_args[0] in ("help", "-h", "--help")):
+        from cpgbroker.runtime import ctl as ctl_commands
+
+        ctl_commands.parser().print_help()
+        return 0
+    if ns.command in ("status", "cluster", "member", "ctl"):
         from cpgbroker.errors import ConfigError
 
         try:
@@ -149,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         if ns.command == "status":
             return _status(target, ns.json)
+        if ns.command == "ctl":
+            from cpgbroker.runtime import ctl as ctl_commands
+
+            return ctl_commands.run(target, ns.ctl_args)
         return _stop(target, getattr(ns, "id", 0), ns.timeout)
     parser.error(f"unknown command {ns.command}")
     return 2
@@ -156,6 +179,26 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _admin_options(args: list[str]) -> tuple[list[str], list[str]]:
+    """Split ``cpgbroker ctl`` arguments into the admin endpoint's options and the rest."""
+    ours = ("--url", "--config", "--secret-file", "--token", "--cacert")
+    mine: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        name = a.split("=", 1)[0]
+        if name in ours:
+            mine.append(a)
+            if "=" not in a and i + 1 < len(args):
+                mine.append(args[i + 1])
+                i += 1
+        else:
+            rest.append(a)
+        i += 1
+    return mine, rest
 
 
 def _admin_target(ns: argparse.Namespace) -> AdminTarget:

@@ -11,6 +11,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+import pika
+import pika.exceptions
 import pytest
 from brokerclients import connect
 from prometheus_client.parser import text_string_to_metric_families
@@ -101,5 +103,129 @@ def test_every_member_answers_the_api_for_the_whole_cluster(
         }
         assert samples[("rabbitmq_queue_messages_ready", "mc.a")] == 6
         assert samples[("cpgbroker_members_ready", "")] == 3
+        # Counters for rates, the ring's traffic, what waits for stability, apply times.
+        assert samples[("cpgbroker_queue_messages_published_total", "mc.a")] == 6
+        assert samples[("cpgbroker_queue_messages_delivered_total", "mc.a")] == 0
+        assert samples[("cpgbroker_cpg_bytes_sent_total", "")] > 0
+        assert samples[("cpgbroker_confirms_held", "")] == 0
+        # One event in 64 is timed (the events a member applied, less any before it served).
+        timed = samples[("cpgbroker_event_apply_seconds_count", "")]
+        assert timed <= samples[("cpgbroker_event_seq", "")] // 64
+        assert samples[("cpgbroker_member_lag_events", "")] >= 0
         assert api(bs, n, "/api/queues", "Basic " + base64.b64encode(b"ops:x").decode())[0] == 401
     conn.close()
+
+
+def write(
+    bs: BrokerSet, node: int, method: str, path: str, body: Any = None, auth: str = AUTH
+) -> tuple[int, Any]:
+    url = f"http://127.0.0.1:{bs.ports[node][1]}{path}"
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Authorization": auth, "Content-Type": "application/json"}
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            raw, status = resp.read(), resp.status
+    except urllib.error.HTTPError as e:
+        raw, status = e.read(), e.code
+    return status, json.loads(raw) if raw else None
+
+
+def login(bs: BrokerSet, node: int, user: str, password: str, vhost: str = "/") -> Any:
+    return pika.BlockingConnection(
+        pika.ConnectionParameters(
+            "127.0.0.1",
+            bs.ports[node][0],
+            vhost,
+            credentials=pika.PlainCredentials(user, password),
+            connection_attempts=1,
+        )
+    )
+
+
+def test_users_and_policies_change_on_every_member_at_once_and_reach_a_newcomer(
+    broker_set: Callable[..., BrokerSet],
+) -> None:
+    """A user added through one member logs in on every member as soon as the answer came
+    (the answer waits until every member applied the change); a policy set through another
+    applies on all of them at the same event; both reach a member that joins later through a
+    state update, which ends with the same digest."""
+    bs = broker_set(extra_config=ADMIN_USERS, store=True)
+    assert write(bs, 1, "PUT", "/api/vhosts/apps") == (201, None)
+    assert write(bs, 1, "PUT", "/api/users/carol", {"password": "c-pw", "tags": ""}) == (
+        201,
+        None,
+    )
+    perms = {"configure": ".*", "write": ".*", "read": ".*"}
+    assert write(bs, 1, "PUT", "/api/permissions/apps/carol", perms) == (201, None)
+    for node in (1, 2, 3):  # no retry: the answer came after every member had it
+        login(bs, node, "carol", "c-pw", "apps").close()
+    policy = {"pattern": "^capped\\.", "definition": {"max-length": 3}, "apply-to": "queues"}
+    assert write(bs, 2, "PUT", "/api/policies/apps/cap", policy) == (201, None)
+    conn = login(bs, 3, "carol", "c-pw", "apps")
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare("capped.q", durable=True)
+    for i in range(10):
+        ch.basic_publish("", "capped.q", b"m%d" % i, pika.BasicProperties(delivery_mode=2))
+    for node in (1, 2, 3):
+        status, q = api(bs, node, "/api/queues/apps/capped.q")
+        assert status == 200 and (q["messages"], q["policy"]) == (3, "cap")
+    digest = bs.converged([1, 2, 3])
+    # A member that joins later gets users, permissions and policies with the state update.
+    late = BrokerSet(
+        bs.dc, group=bs.group, name=f"late-{bs.group}", extra_config=ADMIN_USERS, store=True
+    )
+    try:
+        late.start(1)
+        late.wait_ready([1])
+        login(late, 1, "carol", "c-pw", "apps").close()
+        status, q = api(late, 1, "/api/queues/apps/capped.q")
+        assert (status, q["messages"], q["policy"]) == (200, 3, "cap")
+        assert api(late, 1, "/api/policies/apps/cap")[1]["definition"] == {"max-length": 3}
+        # Every member, the newcomer too, at one event with one digest.
+        same = same_state([(bs, 1), (bs, 2), (bs, 3), (late, 1)])
+        assert same != digest  # ticks moved on; the point is that all four agree
+        # A change after the update reaches the newcomer too.
+        assert write(bs, 2, "DELETE", "/api/users/carol") == (204, None)
+        with pytest.raises(pika.exceptions.ProbableAuthenticationError):
+            login(late, 1, "carol", "c-pw", "apps")
+    finally:
+        late.stop_all()
+    conn.close()
+
+
+def same_state(sets: list[tuple[BrokerSet, int]], timeout: float = 30.0) -> str:
+    """Members of several broker sets sampled at one moment until they stand at one event
+    with one digest."""
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = [s.status(n, digest=True) for s, n in sets]
+        points = [None if x is None else (x["event_seq"], x["digest"]) for x in seen]
+        if None not in points and len(set(points)) == 1:
+            return str(points[0][1])  # type: ignore[index]
+        assert time.monotonic() < deadline, points
+        time.sleep(0.05)
+
+
+def test_a_management_write_through_a_member_is_refused_without_rights_and_logged(
+    broker_set: Callable[..., BrokerSet],
+) -> None:
+    bs = broker_set(extra_config=ADMIN_USERS + MONITOR_USER)
+    mon = "Basic " + base64.b64encode(b"mon:mon-pw").decode()
+    status, body = write(
+        bs, 2, "PUT", "/api/users/evil", {"password": "x", "tags": "administrator"}, mon
+    )
+    assert (status, body["reason"]) == (401, "Not administrator user")
+    assert api(bs, 1, "/api/users/evil")[0] == 404
+    log = bs.log_path(2).read_text()
+    assert "user='mon'" in log and "admin request refused" in log
+    assert "mon-pw" not in log
+
+
+MONITOR_USER = """
+[[users]]
+name = "mon"
+password = "mon-pw"
+tags = ["monitoring"]
+"""

@@ -14,6 +14,7 @@ import pytest
 
 from cpgbroker.errors import InvariantError
 from cpgbroker.model import snapshot as S
+from cpgbroker.model.admin import Admin
 from cpgbroker.model.broker import Broker, VHost
 from cpgbroker.model.channel import Channels
 from cpgbroker.model.confirms import Confirms
@@ -38,9 +39,11 @@ from cpgbroker.model.exchange import Binding, Exchange
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output
 from cpgbroker.model.permissions import Permissions
+from cpgbroker.model.policies import Policies, Policy
 from cpgbroker.model.queueflow import QueueFlow
 from cpgbroker.model.topology import Topology
 from cpgbroker.model.transactions import Transactions
+from cpgbroker.model.users import Users
 from cpgbroker.wire.fastpath import HeaderInfo
 from cpgbroker.wire.framer import FrameReader
 from modelclient import Harness
@@ -61,6 +64,7 @@ ENTITIES = (
     TxAck,
     TxNack,
     HeaderInfo,
+    Policy,
 )
 # The broker and its components: every attribute of each is compared too (references between
 # components and their bound methods included), so a component that grows state the snapshot
@@ -79,6 +83,9 @@ COMPONENTS = (
     Connections,
     QueueFlow,
     Permissions,
+    Users,
+    Policies,
+    Admin,
 )
 # Component attributes that are transient between events or replica-local statistics
 # (configuration is compared: equal by construction).

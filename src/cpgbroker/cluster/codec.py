@@ -22,6 +22,7 @@ import attrs
 
 from cpgbroker.errors import ClusterError
 from cpgbroker.model.events import (
+    AdminCommand,
     ClientConnected,
     ClientData,
     ClientDisconnected,
@@ -36,7 +37,8 @@ MAGIC = 0xCB
 # 3: error-check rounds and stop requests.
 # 4: progress reports carry the durable sequence; disk alarms.
 # 5: a connection says whether it came over TLS and whom its client certificate names.
-FORMAT = 5
+# 6: operators' changes (AdminCommand).
+FORMAT = 6
 
 T_DATA = 1
 T_CONNECTED = 2
@@ -51,6 +53,7 @@ T_PROGRESS = 12
 T_UPDATE_REQUEST = 13
 T_ERROR_CHECK = 14
 T_STOP = 15
+T_ADMIN = 16
 
 # ClientConnected's flags.
 F_LOOPBACK = 1
@@ -236,6 +239,16 @@ def encode(ev: Any) -> bytes:
         return _U8.pack(T_ERROR_CHECK) + _U64.pack(ev.member) + _U64.pack(ev.seq) + _str(ev.outcome)
     if t is StopRequest:
         return _U8.pack(T_STOP) + _U64.pack(ev.member) + _U64.pack(ev.target)
+    if t is AdminCommand:
+        return (
+            _U8.pack(T_ADMIN)
+            + _U64.pack(ev.member)
+            + _U64.pack(ev.ticket)
+            + _str(ev.user)
+            + _str(ev.op)
+            + _U32.pack(len(ev.args))
+            + bytes(ev.args)
+        )
     raise ClusterError(f"cannot encode {ev!r}")
 
 
@@ -360,6 +373,19 @@ def decode_batch(data: bytes, sender: int) -> list[Any]:
                     raise ClusterError(f"member {sender} sent a stop request for {member}")
                 out.append(StopRequest(member, target))
                 p += 16
+                continue
+            if t == T_ADMIN:
+                member, ticket = struct.unpack_from(">QQ", data, p)
+                if member != sender:
+                    raise ClusterError(f"member {sender} sent an admin command for {member}")
+                user, p = _read_str(data, p + 16)
+                op, p = _read_str(data, p)
+                size = _U32.unpack_from(data, p)[0]
+                args = bytes(data[p + 4 : p + 4 + size])
+                if len(args) != size:
+                    raise IndexError("admin arguments past the end of the batch")
+                out.append(AdminCommand(member, ticket, user, op, args))
+                p += 4 + size
                 continue
             if t == T_CHECKPOINT:
                 member, seq = struct.unpack_from(">QQ", data, p)

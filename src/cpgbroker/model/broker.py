@@ -33,6 +33,8 @@ component         module                 owns
 ``out``           ``output.py``          one event's effects; shadow-confirm count
 ``mark``          ``memory.py``          queued body bytes, whether publishers are blocked
 ``permissions``   ``permissions.py``     users' compiled permissions, cached results
+``users``         ``users.py``           users (seeded by the configuration)
+``policies``      ``policies.py``        policies, by vhost
 ``topology``      ``topology.py``        vhosts, exchanges, queues, bindings, member list,
                                          the queue timer indexes
 ``confirms``      ``confirms.py``        publisher-confirm bookkeeping
@@ -42,6 +44,7 @@ component         module                 owns
 ``transactions``  ``transactions.py``    tx.select / commit / rollback
 ``channels``      ``channel.py``         the method table; channels opening and closing
 ``conns``         ``connection.py``      ``connections``; handshake, frames, closes
+``admin``         ``admin.py``           nothing: applies operators' changes (AdminCommand)
 ================  =====================  ==================================================
 
 The broker itself keeps the event counter (``event_seq``) and ``apply``, the single entry
@@ -52,6 +55,7 @@ from __future__ import annotations
 
 from cpgbroker.errors import ConnectionError_, InvariantError, ReplyCode
 from cpgbroker.model import entities as E
+from cpgbroker.model.admin import Admin
 from cpgbroker.model.channel import Channels
 from cpgbroker.model.config import BrokerConfig
 from cpgbroker.model.confirms import Confirms
@@ -60,6 +64,7 @@ from cpgbroker.model.consumers import Consumers
 from cpgbroker.model.delivery import Delivery
 from cpgbroker.model.entities import Connection
 from cpgbroker.model.events import (
+    AdminCommand,
     ClientConnected,
     ClientData,
     ClientDisconnected,
@@ -76,9 +81,11 @@ from cpgbroker.model.events import (
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output
 from cpgbroker.model.permissions import Permissions
+from cpgbroker.model.policies import Policies
 from cpgbroker.model.queueflow import QueueFlow
 from cpgbroker.model.topology import Topology, VHost
 from cpgbroker.model.transactions import Transactions
+from cpgbroker.model.users import Users
 
 __all__ = ["Broker", "VHost"]
 
@@ -97,7 +104,9 @@ class Broker:
         self.clock = Clock()
         self.out = Output(self.clock)
         self.mark = MemoryMark(cfg, self.connections, self.out)
-        self.permissions = Permissions(cfg.users)
+        self.permissions = Permissions()
+        self.users = Users(cfg.users, self.permissions)
+        self.policies = Policies()
         self.topology = Topology(
             cfg.vhosts,
             cfg.member_urls,
@@ -106,6 +115,7 @@ class Broker:
             self.mark,
             self.connections,
             self.permissions,
+            self.policies,
         )
         self.confirms = Confirms(self.out)
         self.flow = QueueFlow(cfg.queue_flow_messages, self.out, self.mark)
@@ -148,6 +158,18 @@ class Broker:
             self.confirms,
             self.channels,
             self.flow,
+            self.users.by_name,
+        )
+        self.admin = Admin(
+            self.users,
+            self.permissions,
+            self.policies,
+            self.topology,
+            self.conns,
+            self.delivery,
+            self.consumers,
+            self.out,
+            cfg.frame_max,
         )
         # Bound once: apply routes every event through these.
         self._on_data = self.conns.on_data
@@ -185,6 +207,8 @@ class Broker:
             self.mark.set_disk_alarm(event.member, event.low)  # type: ignore[union-attr]
         elif t is Recovered:
             self.topology.drop_transient()
+        elif t is AdminCommand:
+            self.admin.apply(event)  # type: ignore[arg-type]
         else:
             raise InvariantError(f"unknown event {event!r}")
         return self._flush()

@@ -39,7 +39,7 @@ from cpgbroker.errors import (
 )
 from cpgbroker.model.auth import password_ok
 from cpgbroker.model.channel import CONNECTION_CLASS, Channels, decode_method, method_name
-from cpgbroker.model.config import BrokerConfig
+from cpgbroker.model.config import BrokerConfig, User
 from cpgbroker.model.confirms import Confirms
 from cpgbroker.model.consumers import Consumers
 from cpgbroker.model.deadlines import Deadlines
@@ -171,16 +171,18 @@ class Connections:
         confirms: Confirms,
         channels: Channels,
         flow: QueueFlow,
+        users: dict[str, User],
     ) -> None:
         self._config = config
         self._flow = flow
-        self._users = {u.name: u for u in config.users}
+        # The broker's users (model/users.py owns the dict and changes it in place).
+        self._users = users
         self.connections = connections
         self._clock = clock
         self._out = out
         self._mark = mark
         self._topology = topology
-        topology.limits.configure(config)
+        topology.limits.configure(config, users)
         self._channels = channels
         # Bound once: the per-frame routes.
         self._send_method = out.send_method
@@ -492,8 +494,9 @@ class Connections:
         vhost = m.virtual_host or "/"
         if vhost not in self._topology.vhosts:
             raise ConnectionError_(R.NOT_ALLOWED, f"vhost {vhost} not found")
-        user = self._users[conn.user]
-        if not user.may_open(vhost):
+        user = self._users.get(conn.user)
+        # (A user deleted since it logged in opens nothing.)
+        if user is None or not user.may_open(vhost):
             raise ConnectionError_(
                 R.NOT_ALLOWED, f"access to vhost '{vhost}' refused for user '{conn.user}'"
             )

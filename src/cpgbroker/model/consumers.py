@@ -276,6 +276,7 @@ class Consumers:
             self._out.send_method(conn, ch.id, commands.Basic.GetEmpty())
             return
         e = q.messages.popleft()
+        q.delivered_total += 1
         if q.ttl_order >= 0:
             self._topology.ttl_queues.note(q)
         ch.next_tag += 1
@@ -300,6 +301,44 @@ class Consumers:
                     conn.frame_max,
                 ),
             )
+
+    def admin_get(self, q: Queue, count: int, ackmode: str) -> list[tuple[Entry, int]]:
+        """The management API's get (``POST /api/queues/{vhost}/{name}/get``): up to
+        ``count`` ready messages from ``q``'s head, each with how many were left behind it,
+        then settled as RabbitMQ's ``ackmode`` says: requeued as a rejected delivery is
+        (redelivered, at its place: ``*_requeue_true``), acked, or rejected without requeue
+        (dead-lettered: ``reject_requeue_false``)."""
+        delivery = self._delivery
+        q.last_used_ms = self._clock.now_ms
+        delivery.expire_head(q)
+        taken: list[tuple[Entry, int]] = []
+        msgs = q.messages
+        while msgs and len(taken) < count:
+            e = msgs.popleft()
+            taken.append((e, len(msgs)))
+        if not taken:
+            return taken
+        q.delivered_total += len(taken)
+        if q.ttl_order >= 0:
+            self._topology.ttl_queues.note(q)
+        if ackmode.endswith("requeue_true"):
+            over: list[tuple[Queue, Entry]] = []
+            for e, _ in reversed(taken):
+                if delivery.over_delivery_limit(q, e):
+                    over.append((q, e))
+                    continue
+                e.redelivered = True
+                put_back(msgs, e)
+                delivery.track_ttl(q, e)
+            delivery.dead_letter_over_limit(over)
+        elif ackmode == "reject_requeue_false":
+            for e, _ in taken:
+                delivery.settle_dropped(q, e, "rejected")
+        else:
+            for e, _ in taken:
+                self._release(q, e)
+        self._dispatch(q)
+        return taken
 
     # ------------------------------------------------------------------ acknowledgements
 

@@ -347,6 +347,47 @@ class Delivery:
         if self.enqueue(q, Entry(msg, False, None)):
             self.dispatch(q)
 
+    def publish_admin(
+        self, vh: VHost, ex: Exchange, routing_key: str, header: bytes, body: bytes
+    ) -> bool:
+        """A message published through the management API (``POST /api/exchanges/{vhost}/
+        {name}/publish``; the caller checked the user's write permission and the exchange):
+        routed and enqueued as a client's would be; whether it reached a queue. It has no
+        confirm, transaction, return or publisher to hold back."""
+        info = parse_content_header(header)
+        self.msg_seq += 1
+        msg = Message(
+            self.msg_seq,
+            ex.name,
+            routing_key,
+            header,
+            body,
+            info.delivery_mode,
+            None if info.expiration is None else int(info.expiration),
+            info.headers_span,
+        )
+        queues = self.route(vh, ex, routing_key, msg)
+        for q in queues:
+            if self.enqueue(q, Entry(msg, False, None)):
+                self.dispatch(q)
+        self._mark.check()
+        return bool(queues)
+
+    def trim(self, q: Queue) -> None:
+        """``q``'s length limits just became smaller (a policy): drop (or dead-letter) heads
+        until it fits, as RabbitMQ applies a new max-length at once."""
+        if q.max_length is None and q.max_length_bytes is None:
+            return
+        dropped = False
+        while q.messages and (
+            (q.max_length is not None and len(q.messages) > q.max_length)
+            or (q.max_length_bytes is not None and q.ready_bytes > q.max_length_bytes)
+        ):
+            dropped = True
+            self.settle_dropped(q, q.messages.popleft(), "maxlen")
+        if dropped:
+            self._ttl_queues.note(q)
+
     # ------------------------------------------------------------------ routing and queues
 
     def route(
@@ -421,6 +462,7 @@ class Delivery:
         else:
             q.messages.append(e)
         q.ready_bytes += size
+        q.published_total += 1
         self._mark.queued_bytes += size
         return True
 
@@ -634,6 +676,7 @@ class Delivery:
         ch.next_tag += 1
         tag = ch.next_tag
         conn.credit -= 1
+        q.delivered_total += 1
         if c.no_ack:
             self._release(q, e)
         else:

@@ -406,6 +406,13 @@ class Queue:
     # ``ttl_queues`` (-1 when not in it) and the due time of its live due-heap entry.
     ttl_order: int = -1
     ttl_due: int | None = None
+    # Derived (model/policies.py, re-applied on restore): the policy that applies, by name.
+    policy: str | None = None
+    # Statistics for the management API and metrics (RabbitMQ's message_stats publish and
+    # deliver_get): messages this queue took and handed out since this replica has had it.
+    # Not replicated: a newcomer starts them at 0 (a counter reset, to Prometheus).
+    published_total: int = 0
+    delivered_total: int = 0
 
 
 @attrs.define(eq=False)

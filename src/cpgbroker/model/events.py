@@ -7,6 +7,8 @@ executes the effects for it; every other member drops them (shadow connections).
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 
@@ -105,6 +107,26 @@ class DiskAlarm:
     low: bool
 
 
+@attrs.frozen
+class AdminCommand:
+    """An operator's change through the management API or ``cpgbroker ctl`` (model/admin.py):
+    users, vhosts, permissions, policies, queues, exchanges, bindings, messages.
+
+    ``member`` and ``ticket`` name the request, so that the member whose operator asked
+    answers it (:class:`AdminReply`). ``user`` is who asked, as that member authenticated them
+    (a broker user, whose vhost permissions then apply, or ``permissions.TRUSTED`` for the
+    holder of the member's admin secret). ``op`` names the change and ``args`` holds its
+    arguments as a JSON object (UTF-8): the model checks them, so a malformed request is a 400
+    answer on every replica alike, never an error of the member. Passwords never travel in
+    it: the asking member hashes them first."""
+
+    member: int
+    ticket: int
+    user: str
+    op: str
+    args: bytes
+
+
 Event = (
     ClientConnected
     | ClientData
@@ -116,6 +138,7 @@ Event = (
     | ClusterMembers
     | Recovered
     | DiskAlarm
+    | AdminCommand
 )
 
 
@@ -177,4 +200,17 @@ class LoginRefused:
     why: str
 
 
-Effect = Send | CloseConnection | WantOutput | Throttle | LoginRefused
+@attrs.frozen
+class AdminReply:
+    """The answer to :class:`AdminCommand` ``(member, ticket)``: an HTTP status and a JSON
+    value in RabbitMQ's shapes. Only the member that asked acts on it; it has no client
+    connection (``conn`` is never one), so client I/O passes it by."""
+
+    member: int
+    ticket: int
+    status: int
+    body: Any
+    conn: int = -1
+
+
+Effect = Send | CloseConnection | WantOutput | Throttle | LoginRefused | AdminReply

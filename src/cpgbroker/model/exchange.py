@@ -94,11 +94,16 @@ class Exchange:
     # Source exchange -> how many of its bindings lead here.
     sources: dict[Exchange, int] = attrs.Factory(dict)
     bind_seq: int = 0
+    # Derived (model/policies.py, re-applied on restore): the policy that applies, by name,
+    # and the alternate exchange it names.
+    policy: str | None = None
+    policy_alternate: str | None = None
 
     @property
     def alternate(self) -> str | None:
+        # The exchange's own argument holds over a policy's, as in RabbitMQ.
         ae = self.arguments.get("alternate-exchange")
-        return ae if isinstance(ae, str) else None
+        return ae if isinstance(ae, str) else self.policy_alternate
 
     def find_binding(self, dest: Dest, key: str, args: dict[str, Any]) -> Binding | None:
         for b in self.by_dest_key.get((id(dest), key), _NO_BINDINGS):

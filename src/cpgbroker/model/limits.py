@@ -52,17 +52,12 @@ class Limits:
     vhost_connections: dict[str, int] = attrs.Factory(dict)
     user_connections: dict[str, int] = attrs.Factory(dict)
     user_channels: dict[str, int] = attrs.Factory(dict)
-    # The configured users by name (from ``config``; the first of a name, as a scan would).
+    # The users by name (model/users.py's ``Users.by_name``: the broker's replicated users,
+    # given by ``configure``; compared there, not here).
     users: dict[str, User] = attrs.field(init=False, factory=dict, eq=False, repr=False)
 
-    def __attrs_post_init__(self) -> None:
-        self.configure(self.config)
-
-    def configure(self, config: BrokerConfig) -> None:
+    def configure(self, config: BrokerConfig, users: dict[str, User]) -> None:
         self.config = config
-        users: dict[str, User] = {}
-        for u in config.users:
-            users.setdefault(u.name, u)
         self.users = users
 
     # -- counters (O(1) each)

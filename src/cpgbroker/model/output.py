@@ -138,6 +138,15 @@ class Output:
             if conn.id in self._durable:
                 self.shadow_durable_confirms += 1
 
+    def admin_answered(self, shadow: bool) -> None:
+        """An admin command was answered (model/admin.py); ``shadow``: another member's
+        operator asked. Its answer waits, as a confirm of a persistent message does, until
+        every member applied the change and its store holds it: counted as such a confirm so
+        that this member reports soon."""
+        if shadow:
+            self.shadow_confirms += 1
+            self.shadow_durable_confirms += 1
+
     def persisted(self, conn: Connection) -> None:
         """``conn`` published a persistent message that a durable queue took, in this event:
         a confirm or commit-ok it is given now waits for every member's store."""

@@ -35,7 +35,7 @@ from typing import Any
 from cpgbroker.errors import InvariantError
 from cpgbroker.model import entities as E
 from cpgbroker.model.broker import Broker
-from cpgbroker.model.config import BrokerConfig
+from cpgbroker.model.config import BrokerConfig, Permission, User
 from cpgbroker.model.entities import (
     Channel,
     Connection,
@@ -53,6 +53,7 @@ from cpgbroker.model.entities import (
     ready_messages,
 )
 from cpgbroker.model.exchange import Exchange
+from cpgbroker.model.policies import Policy
 from cpgbroker.model.topology import VHost
 from cpgbroker.wire import fastpath as fp
 from cpgbroker.wire.framer import FrameReader
@@ -77,17 +78,24 @@ NOT_REPLICATED = {
         "header_always",
         "sources",
         "bind_seq",
+        # The policy that applies (model/policies.py): a function of the policies and the
+        # name, marked again on restore.
+        "policy",
+        "policy_alternate",
     },
     "Binding": {"seq"},
+    # The policy that applies (model/policies.py): a function of the policies and the name.
     "Topology": {"_expiry_heap", "_expiry_seq"},
     # Derived from ``ttl_queues`` (``TtlQueues.rebuild`` on restore).
-    "Queue": {"ttl_order", "ttl_due"},
+    "Queue": {"ttl_order", "ttl_due", "policy", "published_total", "delivered_total"},
     "Connections": {"deadlines"},
     "QueueFlow": {"queues"},
     "Consumer": {"qseq"},
     # Cached permission results: a function of the configuration and the name.
     "Permissions": {"_known", "published"},
     "Delivery": {"_published"},
+    # The replica's own member id (which answers are another member's).
+    "Admin": {"local_member", "_answering"},
 }
 
 
@@ -310,7 +318,49 @@ def _head(b: Broker, queues: list[Queue]) -> dict[str, Any]:
     if mark.disk_alarms:
         h["disk_alarms"] = list(mark.disk_alarms)
         h["memory_blocked"] = mark.memory_blocked
+    # Users and policies only once an operator changed them (model/admin.py): until then
+    # they are the configuration's, on every member alike, and a state snapshots (and
+    # digests) as before they became replicated state.
+    users = b.users
+    if tuple(users.by_name.values()) != users.seeded:
+        h["users"] = [_user(u) for u in users.by_name.values()]
+    policies = b.policies.all()
+    if policies:
+        h["policies"] = [
+            [p.vhost, p.name, p.pattern, p.apply_to, p.definition, p.priority] for p in policies
+        ]
     return h
+
+
+def _user(u: User) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "name": u.name,
+        "password_hash": u.password_hash,
+        "hashing_algorithm": u.hashing_algorithm,
+        "tags": list(u.tags),
+        "loopback_only": u.loopback_only,
+        "permissions": [[p.vhost, p.configure, p.write, p.read] for p in u.grants()],
+    }
+    if u.max_connections is not None:
+        d["max_connections"] = u.max_connections
+    if u.max_channels is not None:
+        d["max_channels"] = u.max_channels
+    return d
+
+
+def _restore_user(d: dict[str, Any]) -> User:
+    return User(
+        d["name"],
+        "",
+        vhosts=(),
+        loopback_only=d["loopback_only"],
+        tags=tuple(d["tags"]),
+        max_connections=d.get("max_connections"),
+        max_channels=d.get("max_channels"),
+        password_hash=d["password_hash"],
+        hashing_algorithm=d["hashing_algorithm"],
+        permissions=tuple(Permission(*p) for p in d["permissions"]),
+    )
 
 
 def snapshot(b: Broker) -> list[Any]:
@@ -576,6 +626,7 @@ class Restorer:
             [queues[i] for i in self.tail["ttl_queues"]],
             [queues[i] for i in self.tail["expiring"]],
         )
+        b.policies.mark_applied(b.vhosts.values())
         _check(b)
         return b
 
@@ -591,6 +642,9 @@ class Restorer:
             memory_blocked=h.get("memory_blocked", h["blocked"]),
             disk_alarms=h.get("disk_alarms", []),
         )
+        if "users" in h:
+            self.b.users.restore(_restore_user(d) for d in h["users"])
+        self.b.policies.restore([Policy(*p) for p in h.get("policies", [])])
         self.head = h
 
     def _messages(self, rows: list[Any]) -> None:

@@ -54,6 +54,7 @@ from cpgbroker.model.limits import (
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output, queue_declare_ok
 from cpgbroker.model.permissions import CONFIGURE, READ, WRITE, Permissions
+from cpgbroker.model.policies import Policies
 from cpgbroker.model.queueargs import QUEUE_ARGS, apply_queue_args, fmt
 from cpgbroker.model.ttlindex import QueueKey, TtlQueues
 
@@ -105,6 +106,7 @@ class Topology:
         "limits",
         "member_urls",
         "on_failover_bind",
+        "policies",
         "ttl_queues",
         "vhosts",
     )
@@ -118,8 +120,11 @@ class Topology:
         mark: MemoryMark,
         connections: dict[int, Connection],
         permissions: Permissions,
+        policies: Policies,
     ) -> None:
         self.vhosts: dict[str, VHost] = {}
+        # Applied to each queue and exchange declared in a vhost that has any.
+        self.policies = policies
         # Client URLs of the cluster's members (empty standalone), in the cluster's order.
         self.member_urls = member_urls
         # Queues with an entry that can expire / with x-expires, checked on ticks.
@@ -152,6 +157,16 @@ class Topology:
             vh.exchanges[ex_name] = Exchange(ex_name, name, ex_type, True, False, False, {})
         self.vhosts[name] = vh
         return vh
+
+    def set_expiry(self, q: Queue) -> None:
+        """``q``'s x-expires may have changed (a policy): ticks look at it from its last use
+        on, or no longer."""
+        key = (q.vhost, q.name)
+        if q.expires is None:
+            self.expiring.pop(key, None)
+        else:
+            self.expiring[key] = q
+            self._push_expiry(q, q.last_used_ms + q.expires)
 
     def set_members(self, urls: tuple[str, ...]) -> list[Queue]:
         """The cluster's member list changed: returns the queues bound to amq.failover (in
@@ -264,6 +279,8 @@ class Topology:
                 ex = Exchange(
                     name, vh.name, m.exchange_type, m.durable, m.auto_delete, m.internal, args
                 )
+                if vh.name in self.policies.by_vhost:
+                    self.policies.apply_to_exchange(ex)
                 vh.exchanges[name] = ex
             else:
                 for field, new, old in (
@@ -398,6 +415,8 @@ class Topology:
                     last_used_ms=now,
                 )
                 apply_queue_args(q, args)
+                if vh.name in self.policies.by_vhost:
+                    self.policies.apply_to_queue(q)
                 vh.queues[name] = q
                 if m.exclusive:
                     conn.exclusive_queues[name] = None

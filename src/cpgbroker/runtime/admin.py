@@ -14,6 +14,8 @@ tools, served over h11 (runtime/httpserve.py) with keep-alive.
   HTTP Basic logins of broker users with a management tag, and the admin secret as a Bearer
   token too (operators' tools). Refusals are logged with the user and the peer, never the
   password.
+* ``GET /dashboard/``: the web dashboard (runtime/dashboard.py), static files that read
+  ``/api`` with the login the user types.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import trio
 
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.config import User
-from cpgbroker.runtime import metrics, mgmt_api
+from cpgbroker.runtime import dashboard, metrics, mgmt_api, mgmt_write
 from cpgbroker.runtime import secret as admin_secret
 from cpgbroker.runtime.httpserve import Request, Response, serve_connection
 from cpgbroker.runtime.settings import ServerConfig, parse_listen
@@ -40,6 +42,9 @@ log = logging.getLogger("cpgbroker.admin")
 
 # POST path, JSON body -> (HTTP status, JSON answer)
 Control = Callable[[str, dict[str, Any]], Awaitable[tuple[int, dict[str, Any]]]]
+# An operator's change (user, op, arguments, timeout) -> the model's answer
+# (runtime/admindesk.py).
+Command = Callable[[str, str, dict[str, Any], float], Awaitable[tuple[int, Any]]]
 # A control request waits for its multicast to come back (``ClusterNode.request_stop``: 10 s).
 REQUEST_TIMEOUT = 20
 
@@ -118,8 +123,10 @@ class AdminRoutes:
         secret: str,
         replica: Callable[[], Broker | None] | None = None,
         users: tuple[User, ...] = (),
+        command: Command | None = None,
     ) -> None:
         self.status = status
+        self.command = command
         self.control = control
         self.secret = secret
         self.replica = replica
@@ -144,10 +151,15 @@ class AdminRoutes:
         )
 
     async def handle(self, req: Request) -> Response:
+        page = dashboard.page(req.method, req.path)
+        if page is not None:
+            # No login for the dashboard's files: they hold no data, and the page's script
+            # asks /api below with the user's login.
+            return page
         if self.replica is not None and (
             req.path == "/metrics" or mgmt_api.split_path(req.path) is not None
         ):
-            return self._management(req)
+            return await self._management(req)
         refused = refusal(self.secret, req.headers.get("authorization", ""))
         if refused is not None:
             self._refused(req, refused[0])
@@ -173,14 +185,20 @@ class AdminRoutes:
             return _json(http, answer)
         return _json(404, {"error": "GET /status, or POST /stop on a member"})
 
-    def _management(self, req: Request) -> Response:
+    async def _management(self, req: Request) -> Response:
         parts = mgmt_api.split_path(req.path)
-        if req.method not in ("GET", "HEAD"):
-            # The write side of the API (declare, delete, users, policies) is not served yet.
-            return _json(405, {"error": "Method Not Allowed", "reason": "read-only API"})
         view = self.view()
-        users = view.broker.config.users if view.broker is not None else self.users
-        need = mgmt_api.MONITOR_TAGS if parts is None else mgmt_api.needed_tags(parts)
+        # Who may log in is the replica's (users are replicated state); before this member
+        # has one, the configuration's.
+        users = tuple(view.broker.users.by_name.values()) if view.broker is not None else self.users
+        writing = req.method not in ("GET", "HEAD")
+        need = (
+            mgmt_api.MONITOR_TAGS
+            if parts is None
+            else mgmt_api.MGMT_TAGS
+            if writing
+            else mgmt_api.needed_tags(parts)
+        )
         who = mgmt_api.authenticate(
             req.headers.get("authorization", ""), users, self.secret, _loopback(req.peer), need
         )
@@ -189,8 +207,54 @@ class AdminRoutes:
             return _json(who.status, who.body, who.headers)
         if parts is None:
             return Response(200, metrics.render(self.registry), metrics.CONTENT_TYPE)
+        if writing:
+            return await self._write(req, parts, view, who)
         answer = self.api.get(parts, view, who, req.query)
         return _json(answer.status, answer.body)
+
+    async def _write(
+        self, req: Request, parts: list[str], view: mgmt_api.ClusterView, who: mgmt_api.Identity
+    ) -> Response:
+        """A change: checked and shaped by mgmt_write, applied by every member in the event
+        order, answered once it is as safe as a durable confirm (runtime/admindesk.py)."""
+        if self.command is None or view.broker is None:
+            return _json(503, {"error": "unavailable", "reason": "this member does not serve"})
+        wanted = mgmt_write.command_for(
+            req.method, parts, req.body or b"", req.query, req.headers, who, view
+        )
+        if isinstance(wanted, mgmt_api.Answer):
+            if wanted.status in (401, 403):
+                reason = wanted.body.get("reason", "") if isinstance(wanted.body, dict) else ""
+                self._refused(req, wanted.status, who.name, reason)
+            return _json(wanted.status, wanted.body)
+        commands = wanted if isinstance(wanted, list) else [wanted]
+        status: int = 204
+        body: Any = None
+        for cmd in commands:
+            try:
+                status, body = await self.command(cmd.user, cmd.op, cmd.args, REQUEST_TIMEOUT)
+            except trio.TooSlowError:
+                return _json(
+                    503, {"error": "timeout", "reason": "the change was not applied in time"}
+                )
+            if status >= 300:
+                self._refused_change(req, who, cmd, status, body)
+                break
+        shaped = mgmt_write.response_for(commands[-1], status, body)
+        return Response(shaped.status, shaped.body, headers=shaped.headers)
+
+    def _refused_change(
+        self,
+        req: Request,
+        who: mgmt_api.Identity,
+        cmd: mgmt_write.Command,
+        status: int,
+        body: Any,
+    ) -> None:
+        if status in (401, 403):
+            # A refused admin call is logged (never with what it carried: it may hold a hash).
+            reason = body.get("reason", "") if isinstance(body, dict) else ""
+            self._refused(req, status, who.name, f"{cmd.op}: {reason}")
 
 
 async def serve_admin(
@@ -202,12 +266,13 @@ async def serve_admin(
     ssl_context: ssl.SSLContext | None = None,
     replica: Callable[[], Broker | None] | None = None,
     users: tuple[User, ...] = (),
+    command: Command | None = None,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     if not secret:
         # No default that opens the endpoint: the caller must have loaded or made a secret.
         raise ValueError("serve_admin needs the admin secret")
-    routes = AdminRoutes(status, control, secret, replica, users)
+    routes = AdminRoutes(status, control, secret, replica, users, command)
     host, port = parse_listen(addr)
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = listeners[0].socket.getsockname()

@@ -42,6 +42,7 @@ TYPE_NAMES = {
     "ClusterMembers": "members",
     "Recovered": "recovered",
     "DiskAlarm": "disk-alarm",
+    "AdminCommand": "admin",
 }
 
 

@@ -45,6 +45,8 @@ log = logging.getLogger("cpgbroker.admin")
 
 _REASONS = {
     200: b"OK",
+    201: b"Created",
+    301: b"Moved Permanently",
     202: b"Accepted",
     204: b"No Content",
     400: b"Bad Request",

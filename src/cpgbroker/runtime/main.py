@@ -49,6 +49,7 @@ async def serve(
             from cpgbroker.runtime import admin
 
             standalone = node.standalone
+            desk = node.desk
             await nursery.start(
                 functools.partial(
                     admin.serve_admin,
@@ -56,6 +57,7 @@ async def serve(
                     # The management API and /metrics read the model between events.
                     replica=lambda: None if standalone is None else standalone.broker,
                     users=config.broker.users,
+                    command=None if desk is None else desk.request,
                 ),
                 config.admin_listen,
                 node.status,

@@ -38,6 +38,7 @@ import errno
 import hashlib
 import json
 import logging
+import time
 from typing import Any
 
 import attrs
@@ -80,6 +81,8 @@ from cpgbroker.corosync.events import (
 from cpgbroker.errors import ClusterError
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.events import ClientConnected, ClientData, MemberLeft, Recovered, Tick
+from cpgbroker.runtime.admindesk import AdminDesk
+from cpgbroker.runtime.applytimes import APPLY_SAMPLE, ApplyTimes
 from cpgbroker.runtime.checkpoints import Checkpointer
 from cpgbroker.runtime.confirms import ConfirmGate
 from cpgbroker.runtime.cpg_trio import TrioCpg
@@ -194,6 +197,14 @@ class ClusterNode:
         self.io = Node(
             config, member, sequencer=self.multicast, gate=self.confirms, conn_counter=conn_counter
         )
+        # A sample of how long events take to apply (runtime/applytimes.py).
+        self.apply_times = ApplyTimes()
+        # Operators' changes: answered once as safe as a durable confirm.
+        self.desk = AdminDesk(
+            member, self.multicast.submit, self._event_seq, settled=self._admin_settled
+        )
+        self.io.desk = self.desk
+        self.broker.admin.local_member = member
         self.eventlog = EventLog(cluster.event_log, member, incarnation)
         self.checkpoints = Checkpointer(
             member, cluster.checkpoint_every, send, self.eventlog, self._vouches
@@ -334,17 +345,23 @@ class ClusterNode:
         self.progress.durable_reported = durable
         return codec.encode(Progress(self.member, seq, durable))
 
+    def _admin_settled(self) -> int:
+        """The highest event whose changes an operator may be told are done (see desk)."""
+        return self.stable_seq() if self.store is None else self.durable_stable_seq()
+
     def _release_stable(self) -> None:
         self.confirms.release(
             self.stable_seq(), self.io, None if self.store is None else self.durable_stable_seq()
         )
+        if self.desk.unsettled:
+            self.desk.settle(self._admin_settled())
 
     def on_durable(self, seq: int) -> None:
         """The store has written (fsynced) events up to ``seq``: our durable confirms may go
         out, and the others' wait for our report if they had any since the last one."""
         if self.suspended is not None or self.failure is not None:
             return
-        if self.confirms.holding:
+        if self.confirms.holding or self.desk.unsettled:
             self._release_stable()
         if self.membership.state == READY and self.progress.durable_report_due(seq):
             self.multicast.report_soon(False)
@@ -415,7 +432,7 @@ class ClusterNode:
             if self.broker.shadow_confirms != self.progress.confirms_seen:
                 self._report_for_confirms()
             self.io.answer_expected = False
-            if self.confirms.holding:
+            if self.confirms.holding or self.desk.unsettled:
                 self._release_stable()
 
     def _report_for_confirms(self) -> None:
@@ -548,7 +565,13 @@ class ClusterNode:
             # A suspended member's model is about to be discarded: nothing more reaches
             # clients.
             if self.suspended is None:
-                self.io.execute(broker.apply(e))
+                if seq & (APPLY_SAMPLE - 1):
+                    self.io.execute(broker.apply(e))
+                else:
+                    started = time.perf_counter()
+                    effects = broker.apply(e)
+                    self.apply_times.observe(time.perf_counter() - started)
+                    self.io.execute(effects)
         except Exception as exc:
             mark.seq = 0
             # Counted as applied either way: the members that continue agree on the count.
@@ -728,6 +751,7 @@ class ClusterNode:
         broker, epoch = self.kept
         self.kept = None
         self.broker = broker
+        broker.admin.local_member = self.member
         stale = sorted({codec.split_conn(c)[0] for c in broker.connections})
         log.warning(
             "resuming the state %s: epoch %s, event %s, closing the connections of %d former "
@@ -786,6 +810,7 @@ class ClusterNode:
     def _install(self, broker: Broker, members: list[list[Any]]) -> None:
         """The newcomer installs the state of its update point."""
         self.broker = broker
+        broker.admin.local_member = self.member
         if self.store is not None:
             # Whatever the store held is older than what the cluster serves: replaced.
             self.store.replace(broker)

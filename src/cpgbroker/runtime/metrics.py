@@ -22,6 +22,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     InfoMetricFamily,
     Metric,
 )
@@ -80,6 +81,18 @@ class ReplicaCollector(Collector):
             "Body bytes of the queue's ready and unacknowledged messages",
             labels=["vhost", "queue"],
         )
+        # Counters (rates are Prometheus' rate() of them): counted by this replica since it
+        # has had the queue, so a member that took a state update starts them afresh.
+        published = CounterMetricFamily(
+            "cpgbroker_queue_messages_published",
+            "Messages the queue took",
+            labels=["vhost", "queue"],
+        )
+        delivered = CounterMetricFamily(
+            "cpgbroker_queue_messages_delivered",
+            "Messages the queue handed to consumers and gets",
+            labels=["vhost", "queue"],
+        )
         queues = 0
         for vh in b.vhosts.values():
             for q in vh.queues.values():
@@ -90,8 +103,10 @@ class ReplicaCollector(Collector):
                 total.add_metric(labels, n + q.unacked)
                 consumers.add_metric(labels, len(q.consumers))
                 size.add_metric(labels, q.ready_bytes)
+                published.add_metric(labels, q.published_total)
+                delivered.add_metric(labels, q.delivered_total)
                 queues += 1
-        yield from (ready, unacked, total, consumers, size)
+        yield from (ready, unacked, total, consumers, size, published, delivered)
         conns = [c for c in b.connections.values()]
         yield _gauge("rabbitmq_queues", "Queues in the cluster", queues)
         yield _gauge("rabbitmq_connections", "Client connections in the cluster", len(conns))
@@ -185,6 +200,39 @@ def _member_metrics(view: ClusterView) -> Iterator[Metric]:
         for key, doc in (("sent", "CPG messages sent"), ("delivered", "CPG messages delivered")):
             if (n := _number(cpg.get(key))) is not None:
                 yield CounterMetricFamily(f"cpgbroker_cpg_messages_{key}", doc, value=n)
+        if (n := _number(cpg.get("sent_bytes"))) is not None:
+            yield CounterMetricFamily(
+                "cpgbroker_cpg_bytes_sent", "Bytes this member multicast", value=n
+            )
+    confirms = st.get("confirms")
+    if isinstance(confirms, dict):
+        for key, doc in (
+            ("held", "Confirms (and output behind them) waiting until their event is stable"),
+            ("admin_unsettled", "Management changes applied, waiting to be stable"),
+        ):
+            if (n := _number(confirms.get(key))) is not None:
+                yield _gauge(f"cpgbroker_confirms_{key}", doc, n)
+    update = st.get("update")
+    if isinstance(update, dict):
+        for key in ("messages", "total_messages", "bytes"):
+            if (n := _number(update.get(key))) is not None:
+                yield _gauge(
+                    f"cpgbroker_update_{key}",
+                    f"State update this member is taking: {key.replace('_', ' ')} so far",
+                    n,
+                )
+    updating = st.get("updating")
+    if isinstance(updating, list):
+        yield _gauge("cpgbroker_updates_giving", "State updates this member gives", len(updating))
+    times = st.get("apply_seconds")
+    if isinstance(times, dict):
+        hist = HistogramMetricFamily(
+            "cpgbroker_event_apply_seconds",
+            "Time to apply one event to the model (one event in APPLY_SAMPLE is timed)",
+            buckets=[(str(b), c) for b, c in times["buckets"]],
+            sum_value=times["sum"],
+        )
+        yield hist
     quorum = st.get("quorum")
     if isinstance(quorum, dict) and "quorate" in quorum:
         yield _gauge(

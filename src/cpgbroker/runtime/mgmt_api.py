@@ -38,9 +38,11 @@ import attrs
 
 from cpgbroker.model import auth
 from cpgbroker.model import entities as E
+from cpgbroker.model.admin import properties_key
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.config import User
 from cpgbroker.model.exchange import Exchange
+from cpgbroker.model.policies import Policies, Policy
 from cpgbroker.model.topology import VHost
 
 # RabbitMQ's realm (rabbit_mgmt.hrl AUTH_REALM): clients and browsers show it.
@@ -281,7 +283,9 @@ def exchange_json(x: Exchange) -> dict[str, Any]:
     }
 
 
-def queue_json(q: E.Queue, node: str, detail: bool = False) -> dict[str, Any]:
+def queue_json(
+    q: E.Queue, node: str, detail: bool = False, policies: Policies | None = None
+) -> dict[str, Any]:
     ready = len(q.messages)
     out: dict[str, Any] = {
         "name": q.name,
@@ -301,7 +305,14 @@ def queue_json(q: E.Queue, node: str, detail: bool = False) -> dict[str, Any]:
         "single_active_consumer_tag": (
             q.consumers[0].tag if q.single_active and q.consumers else None
         ),
+        "policy": q.policy,
+        # Counted by this replica since it has had the queue (RabbitMQ's message_stats; the
+        # rates RabbitMQ adds need samples over time: /metrics, or the dashboard, has them).
+        "message_stats": {"publish": q.published_total, "deliver_get": q.delivered_total},
     }
+    if policies is not None and q.policy is not None:
+        p = policies.by_vhost[q.vhost][q.policy]
+        out["effective_policy_definition"] = p.definition
     if detail:
         out["consumer_details"] = [
             {
@@ -323,15 +334,6 @@ def queue_json(q: E.Queue, node: str, detail: bool = False) -> dict[str, Any]:
     return out
 
 
-def _properties_key(key: str, args: dict[str, Any]) -> str:
-    # RabbitMQ: the routing key ("~" for none) when there are no arguments, else the key and
-    # a hash of the arguments; ours is a different hash, stable for one binding.
-    if not args:
-        return key or "~"
-    digest = hashlib.sha256(repr(sorted(jsonable(args).items())).encode()).digest()
-    return f"{key}~{base64.urlsafe_b64encode(digest[:9]).decode()}"
-
-
 def bindings_json(vh: VHost) -> Iterator[dict[str, Any]]:
     """A vhost's bindings in RabbitMQ's order: the default exchange's implicit binding of every
     queue first, then every exchange's bindings."""
@@ -343,7 +345,7 @@ def bindings_json(vh: VHost) -> Iterator[dict[str, Any]]:
             "destination_type": "queue",
             "routing_key": q.name,
             "arguments": {},
-            "properties_key": q.name or "~",
+            "properties_key": properties_key(q.name, {}),
         }
     for x in vh.exchanges.values():
         if not x.name:
@@ -357,7 +359,7 @@ def bindings_json(vh: VHost) -> Iterator[dict[str, Any]]:
                 "destination_type": "queue" if isinstance(dest, E.Queue) else "exchange",
                 "routing_key": b.key,
                 "arguments": jsonable(b.args),
-                "properties_key": _properties_key(b.key, b.args),
+                "properties_key": properties_key(b.key, b.args),
             }
 
 
@@ -426,6 +428,17 @@ def permissions_json(users: Iterable[User], vhosts: Iterable[str]) -> list[dict[
     ]
 
 
+def policy_json(p: Policy) -> dict[str, Any]:
+    return {
+        "vhost": p.vhost,
+        "name": p.name,
+        "pattern": p.pattern,
+        "apply-to": p.apply_to,
+        "definition": p.definition,
+        "priority": p.priority,
+    }
+
+
 def node_json(m: MemberView, view: ClusterView) -> dict[str, Any]:
     b = view.broker
     out: dict[str, Any] = {
@@ -457,6 +470,28 @@ def overview_json(view: ClusterView, identity: Identity) -> dict[str, Any]:
         # The management listener (what a client of the API reads its node name from).
         "contexts": [{"node": view.node, "description": "RabbitMQ Management", "path": "/"}],
     }
+    if identity.any_of(MONITOR_TAGS):
+        # Ours (the dashboard reads it): the replication as the answering member sees it,
+        # from its status; for those who may see the nodes (RabbitMQ's monitor tags).
+        status = view.status
+        out["cpgbroker_cluster"] = {
+            key: status.get(key)
+            for key in (
+                "member",
+                "state",
+                "event_seq",
+                "clock_master",
+                # Each member's progress ("applied") and digest agreement at the last
+                # checkpoint ("checkpoint_agreed"), as the answering member knows them.
+                "members",
+                "lag",
+                "checkpoint",
+                "error_checks",
+                "update",
+                "updating",
+                "quorum",
+            )
+        }
     b = view.broker
     if b is None:
         return out
@@ -493,16 +528,14 @@ def definitions_json(b: Broker) -> dict[str, Any]:
         "rabbitmq_version": b.config.version,
         "product_name": "cpgbroker",
         "product_version": b.config.version,
-        "users": [user_json(u) for u in b.config.users],
-        "vhosts": [
-            {"name": vh.name, "limits": [], "metadata": {"description": "", "tags": []}}
-            for vh in vhosts
-        ],
-        "permissions": permissions_json(b.config.users, b.vhosts),
+        "users": [user_json(u) for u in b.users.by_name.values()],
+        # RabbitMQ 3.10.8 exports a vhost as its name alone.
+        "vhosts": [{"name": vh.name} for vh in vhosts],
+        "permissions": permissions_json(b.users.by_name.values(), b.vhosts),
         "topic_permissions": [],
         "parameters": [],
         "global_parameters": [],
-        "policies": [],
+        "policies": [policy_json(p) for p in b.policies.all()],
         "queues": [
             {
                 "name": q.name,
@@ -633,6 +666,8 @@ def needed_tags(parts: list[str]) -> tuple[str, ...]:
         return ADMIN_TAGS
     if parts[:1] == ["nodes"]:
         return MONITOR_TAGS
+    if parts[:1] == ["policies"]:
+        return ("administrator", "policymaker")
     return MGMT_TAGS
 
 
@@ -704,22 +739,71 @@ class ManagementApi:
         return Answer(200, found[0]) if found else _not_found()
 
     def _exchanges(self, rest: list[str], view: ClusterView, identity: Identity) -> Answer:
+        b = view.broker
+        if b is not None and len(rest) == 4 and rest[2] == "bindings":
+            # /api/exchanges/{vhost}/{name}/bindings/source|destination
+            name = "" if rest[1] == "amq.default" else rest[1]
+            vh = next((v for v in _visible_vhosts(b, identity) if v.name == rest[0]), None)
+            if vh is None or name not in vh.exchanges or rest[3] not in ("source", "destination"):
+                return _not_found()
+            side = rest[3]
+            return Answer(
+                200,
+                [
+                    x
+                    for x in bindings_json(vh)
+                    if (x["source"] if side == "source" else x["destination"]) == name
+                    and (side == "source" or x["destination_type"] == "exchange")
+                ],
+            )
         return self._vhost_items(
             rest, view, identity, lambda vh: [exchange_json(x) for x in vh.exchanges.values()]
         )
 
     def _queues(self, rest: list[str], view: ClusterView, identity: Identity) -> Answer:
         b = view.broker
+        if b is not None and len(rest) == 3 and rest[2] == "bindings":
+            vh = next((v for v in _visible_vhosts(b, identity) if v.name == rest[0]), None)
+            if vh is None or rest[1] not in vh.queues:
+                return _not_found()
+            return Answer(
+                200,
+                [
+                    x
+                    for x in bindings_json(vh)
+                    if x["destination"] == rest[1] and x["destination_type"] == "queue"
+                ],
+            )
         if b is not None and len(rest) == 2:
             vh = next((v for v in _visible_vhosts(b, identity) if v.name == rest[0]), None)
             q = None if vh is None else vh.queues.get(rest[1])
-            return _not_found() if q is None else Answer(200, queue_json(q, view.node, True))
+            if q is None:
+                return _not_found()
+            return Answer(200, queue_json(q, view.node, True, b.policies))
         return self._vhost_items(
             rest, view, identity, lambda vh: [queue_json(q, view.node) for q in vh.queues.values()]
         )
 
     def _bindings(self, rest: list[str], view: ClusterView, identity: Identity) -> Answer:
         b = view.broker
+        if b is not None and len(rest) in (5, 6) and rest[1] == "e" and rest[3] in ("q", "e"):
+            # /api/bindings/{vhost}/e/{source}/q|e/{destination}[/{properties_key}]
+            vh = next((v for v in _visible_vhosts(b, identity) if v.name == rest[0]), None)
+            if vh is None:
+                return _not_found()
+            kind = "queue" if rest[3] == "q" else "exchange"
+            source = "" if rest[2] == "amq.default" else rest[2]
+            found = [
+                x
+                for x in bindings_json(vh)
+                if x["source"] == source
+                and x["destination"] == rest[4]
+                and x["destination_type"] == kind
+            ]
+            if len(rest) == 5:
+                return Answer(200, found)
+            one = [x for x in found if x["properties_key"] == rest[5]]
+            return Answer(200, one[0]) if one else _not_found()
         if b is None or len(rest) > 1:
             return Answer(200, []) if b is None and not rest else _not_found()
         vhs = _visible_vhosts(b, identity)
@@ -742,7 +826,7 @@ class ManagementApi:
         if len(rest) == 1:
             return Answer(200, found[0])
         if rest[1:] == ["permissions"]:
-            return Answer(200, permissions_json(b.config.users, [rest[0]]))
+            return Answer(200, permissions_json(b.users.by_name.values(), [rest[0]]))
         return _not_found()
 
     def _connections(self, rest: list[str], view: ClusterView, identity: Identity) -> Answer:
@@ -776,7 +860,7 @@ class ManagementApi:
 
     def _users(self, rest: list[str], view: ClusterView, identity: Identity) -> Answer:
         b = view.broker
-        users = () if b is None else b.config.users
+        users = () if b is None else list(b.users.by_name.values())
         if not rest:
             return Answer(200, [user_json(u) for u in users])
         user = next((u for u in users if u.name == rest[0]), None)
@@ -792,7 +876,7 @@ class ManagementApi:
         b = view.broker
         if b is None:
             return Answer(200, []) if not rest else _not_found()
-        perms = permissions_json(b.config.users, b.vhosts)
+        perms = permissions_json(b.users.by_name.values(), b.vhosts)
         if not rest:
             return Answer(200, perms)
         if len(rest) == 2:
@@ -800,6 +884,25 @@ class ManagementApi:
             if found:
                 return Answer(200, found[0])
         return _not_found()
+
+    def _policies(self, rest: list[str], view: ClusterView, identity: Identity) -> Answer:
+        b = view.broker
+        if b is None:
+            return Answer(200, []) if not rest else _not_found()
+        shown = [
+            policy_json(p)
+            for p in b.policies.all()
+            if p.vhost in (v.name for v in _visible_vhosts(b, identity))
+        ]
+        if not rest:
+            return Answer(200, shown)
+        if rest[0] not in b.vhosts or len(rest) > 2:
+            return _not_found()
+        shown = [p for p in shown if p["vhost"] == rest[0]]
+        if len(rest) == 1:
+            return Answer(200, shown)
+        found = [p for p in shown if p["name"] == rest[1]]
+        return Answer(200, found[0]) if found else _not_found()
 
     def _aliveness(self, rest: list[str], view: ClusterView, identity: Identity) -> Answer:
         # RabbitMQ declares aliveness-test in the vhost and publishes and gets a message; a
@@ -863,6 +966,7 @@ class ManagementApi:
         "channels": _channels,
         "users": _users,
         "permissions": _permissions,
+        "policies": _policies,
         "aliveness-test": _aliveness,
         "cluster-name": _cluster_name,
         "definitions": _definitions,

@@ -170,6 +170,18 @@ class MemberProcess:
             return None
         return node.broker
 
+    async def admin_command(
+        self, user: str, op: str, args: dict[str, Any], timeout: float
+    ) -> tuple[int, Any]:
+        """An operator's change (runtime/mgmt_write.py), through the serving incarnation."""
+        node = self.node
+        if node is None or not node.serving or node.halted is not None:
+            return 503, {
+                "error": "unavailable",
+                "reason": f"this member does not serve ({self.phase})",
+            }
+        return await node.desk.request(user, op, args, timeout)
+
     async def control(self, path: str, args: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """``POST /stop`` {"member": ID} (none: the whole cluster) and ``POST /faults``
         {"kind", "at_seq", "seconds"} from the status endpoint."""
@@ -274,6 +286,7 @@ class MemberProcess:
                         ssl_context=admin.admin_ssl_context(config),
                         replica=self.replica,
                         users=config.broker.users,
+                        command=self.admin_command,
                     ),
                     config.admin_listen,
                     self.status,
@@ -575,20 +588,35 @@ def member_status(node: ClusterNode, with_digest: bool) -> dict[str, Any]:
                     "status": STATUS_NAMES.get(i.status, "unknown")
                     if i.status is not None
                     else "unknown",
+                    # How far it has applied the stream, as it last reported (this member:
+                    # now), and whether its digest agreed at the last checkpoint.
+                    "applied": b.event_seq if m == node.member else node.progress.peer.get(m),
+                    "checkpoint_agreed": None if last is None else m not in last.losers,
                 }
                 for m, i in node.membership.members.items()
             ],
             "connections": {"local": local, "shadow": len(b.connections) - local},
             "checkpoint": None
             if last is None
-            else {"seq": last.seq, "digest": last.winner.hex(), "agreed": last.agreed},
+            else {
+                "seq": last.seq,
+                "digest": last.winner.hex(),
+                "agreed": last.agreed,
+                "losers": list(last.losers),
+            },
             "cpg": {
                 "in_flight": cpg.in_flight,
                 "sent": cpg.stats.sent,
+                "sent_bytes": cpg.stats.sent_bytes,
                 "delivered": cpg.stats.delivered,
                 "wakeups": cpg.stats.wakeups,
             },
             "lag": {"events_behind": node.lag(), "held_back": node.multicast.lag_waits},
+            "confirms": {
+                "held": sum(len(lc.held) for lc in node.confirms.holding.values()),
+                "admin_unsettled": len(node.desk.unsettled),
+            },
+            "apply_seconds": node.apply_times.as_dict(),
             "update": node.newcomer.status(),
             "updating": node.updater.status(),
             "quorum": None if node.quorum is None else node.quorum.status(),

@@ -35,6 +35,7 @@ from cpgbroker.errors import ReplyCode
 from cpgbroker.model import snapshot
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.events import (
+    AdminReply,
     ClientConnected,
     ClientData,
     ClientDisconnected,
@@ -49,6 +50,7 @@ from cpgbroker.model.events import (
     Tick,
     WantOutput,
 )
+from cpgbroker.runtime.admindesk import AdminDesk
 from cpgbroker.runtime.settings import ServerConfig, parse_listen
 from cpgbroker.runtime.tls import (
     TlsConfig,
@@ -206,8 +208,12 @@ class Node:
         # them when an incarnation ends.
         self.client_scopes: dict[int, trio.CancelScope] = {}
         self.standalone: LocalSequencer | None = None
+        # Operators' changes (runtime/admindesk.py): a cluster member gives the node its own.
+        self.desk: AdminDesk | None = None
         if sequencer is None:
             sequencer = self.standalone = LocalSequencer(Broker(config.broker), self.execute)
+            broker = self.standalone.broker
+            self.desk = AdminDesk(member, sequencer.submit, lambda: broker.event_seq)
         self.submit = sequencer.submit
         self._count_reads = sequencer.deferred
         self._gate = gate
@@ -225,7 +231,11 @@ class Node:
         for eff in effects:
             lc = local.get(eff.conn)
             if lc is None:
-                continue  # a shadow connection: its owner writes its output
+                # A shadow connection (its owner writes its output), or no connection at all:
+                # an operator's answer, for the member that asked.
+                if type(eff) is AdminReply and self.desk is not None:
+                    self.desk.answered(eff)
+                continue
             t = type(eff)
             if t is Send:
                 if hold is not None and (lc.held or eff.confirm):  # type: ignore[union-attr]

@@ -16,6 +16,7 @@ import struct
 
 from cpgbroker.errors import InvariantError
 from cpgbroker.model.events import (
+    AdminCommand,
     ClientConnected,
     ClientData,
     ClientDisconnected,
@@ -39,6 +40,7 @@ R_MEMBER_LEFT = 7
 R_MEMBERS = 8
 R_RECOVERED = 9
 R_DISK_ALARM = 10
+R_ADMIN = 11
 # Or'ed into the type byte: the cluster failed this event (it counts, its connection closes).
 FAILED = 0x80
 
@@ -93,6 +95,9 @@ def encode(ev: Event, failed: bool = False) -> bytes:
         return bytes([R_RECOVERED | flag])
     if t is DiskAlarm:
         return _Q.pack(R_DISK_ALARM | flag, ev.member) + bytes([ev.low])  # type: ignore[union-attr]
+    if t is AdminCommand:
+        a: AdminCommand = ev  # type: ignore[assignment]
+        return _QQ.pack(R_ADMIN | flag, a.member, a.ticket) + _s(a.user) + _s(a.op) + a.args
     raise InvariantError(f"cannot journal {ev!r}")
 
 
@@ -142,6 +147,15 @@ def decode(payload: bytes) -> tuple[Event, bool]:
         ev = Recovered()
     elif kind == R_DISK_ALARM:
         ev = DiskAlarm(_Q.unpack_from(payload)[1], bool(payload[_Q.size]))
+    elif kind == R_ADMIN:
+        _, member, ticket = _QQ.unpack_from(payload)
+        p = _QQ.size
+        (n,) = _LEN.unpack_from(payload, p)
+        user = payload[p + 4 : p + 4 + n].decode()
+        p += 4 + n
+        (n,) = _LEN.unpack_from(payload, p)
+        op = payload[p + 4 : p + 4 + n].decode()
+        ev = AdminCommand(member, ticket, user, op, payload[p + 4 + n :])
     else:
         raise InvariantError(f"unknown journal record type {kind}")
     return ev, failed
