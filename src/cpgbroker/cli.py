@@ -177,10 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _admin_options(args: list[str]) -> tuple[list[str], list[str]]:
     """Split ``cpgbroker ctl`` arguments into the admin endpoint's options and the rest."""
     ours = ("--url", "--config", "--secret-file", "--token", "--cacert")
@@ -336,6 +332,7 @@ def _status(target: AdminTarget, as_json: bool) -> int:
             agreed = "agreed" if cp["agreed"] else "DIVERGED"
             print(f"checkpoint: seq {cp['seq']} {agreed} digest {cp['digest'][:16]}")
         _print_error_checks(data.get("error_checks") or {})
+        _print_federation(data.get("federation_links") or [])
         if data.get("stopping"):
             st = data["stopping"]
             print(f"stopping: {st['scope']} stop at event {st['seq']}")
@@ -350,6 +347,24 @@ def _status(target: AdminTarget, as_json: bool) -> int:
         counts = f"{q['ready']} ready, {q['unacked']} unacked, {q['consumers']} consumers"
         print(f"  queue {name}: {counts}")
     return 0
+
+
+def _print_federation(links: list[dict[str, object]]) -> None:
+    if links:
+        print("federation links:")
+    for x in links:
+        where = f" on member {x['member']}" if "member" in x else ""
+        uri = f" via {x['uri']}" if x.get("uri") else ""
+        print(f"  {x['vhost']}/{x['exchange']} <- {x['upstream']}: {x['status']}{where}{uri}")
+        figures = [
+            f"{key.replace('_', ' ')} {x[key]}"
+            for key in ("forwarded", "upstream_queue_messages", "dropped_loops", "too_large")
+            if key in x
+        ]
+        if figures:
+            print("    " + ", ".join(figures))
+        if x.get("error"):
+            print(f"    last error: {x['error']}")
 
 
 def _print_store(st: dict[str, object] | None) -> None:
@@ -389,3 +404,7 @@ def _print_error_checks(ec: dict[str, object]) -> None:
         print(f"error-check round at event {r['seq']}: {r['decision']!r} won; leaving: {leaving}")
         for m, o in r["outcomes"].items():
             print(f"    member {m}: {o}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

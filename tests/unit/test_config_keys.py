@@ -31,6 +31,8 @@ IN_THE_FILE_AS = {
     (StoreSettings, "snapshot_bytes"): "snapshot_mib",
     (StoreSettings, "free_disk_limit"): "free_disk_limit_mib",
     (BrokerConfig, "users"): "[[users]]",
+    (BrokerConfig, "policies"): "[[policies]]",
+    (BrokerConfig, "upstreams"): "[[federation.upstreams]]",
     # Set by the broker itself (server-properties, the members' URLs), not configurable.
     (BrokerConfig, "product"): None,
     (BrokerConfig, "version"): None,

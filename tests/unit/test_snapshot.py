@@ -17,6 +17,7 @@ from cpgbroker.model import snapshot as S
 from cpgbroker.model.admin import Admin
 from cpgbroker.model.broker import Broker, VHost
 from cpgbroker.model.channel import Channels
+from cpgbroker.model.config import Policy
 from cpgbroker.model.confirms import Confirms
 from cpgbroker.model.connection import Connections
 from cpgbroker.model.consumers import Consumers
@@ -36,10 +37,11 @@ from cpgbroker.model.entities import (
     TxPublish,
 )
 from cpgbroker.model.exchange import Binding, Exchange
+from cpgbroker.model.federation import Federation, Upstream
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output
 from cpgbroker.model.permissions import Permissions
-from cpgbroker.model.policies import Policies, Policy
+from cpgbroker.model.policies import Policies
 from cpgbroker.model.queueflow import QueueFlow
 from cpgbroker.model.topology import Topology
 from cpgbroker.model.transactions import Transactions
@@ -65,6 +67,7 @@ ENTITIES = (
     TxNack,
     HeaderInfo,
     Policy,
+    Upstream,
 )
 # The broker and its components: every attribute of each is compared too (references between
 # components and their bound methods included), so a component that grows state the snapshot
@@ -86,6 +89,7 @@ COMPONENTS = (
     Users,
     Policies,
     Admin,
+    Federation,
 )
 # Component attributes that are transient between events or replica-local statistics
 # (configuration is compared: equal by construction).

@@ -29,7 +29,10 @@ from cpgbroker.model.events import (
     CloseClient,
     DiskAlarm,
     DoOutput,
+    Forward,
     Tick,
+    decode_forward,
+    encode_forward,
 )
 
 MAGIC = 0xCB
@@ -37,7 +40,7 @@ MAGIC = 0xCB
 # 3: error-check rounds and stop requests.
 # 4: progress reports carry the durable sequence; disk alarms.
 # 5: a connection says whether it came over TLS and whom its client certificate names.
-# 6: operators' changes (AdminCommand).
+# 6: operators' changes (AdminCommand) and federation links' messages (Forward).
 FORMAT = 6
 
 T_DATA = 1
@@ -54,6 +57,7 @@ T_UPDATE_REQUEST = 13
 T_ERROR_CHECK = 14
 T_STOP = 15
 T_ADMIN = 16
+T_FORWARD = 17
 
 # ClientConnected's flags.
 F_LOOPBACK = 1
@@ -249,6 +253,8 @@ def encode(ev: Any) -> bytes:
             + _U32.pack(len(ev.args))
             + bytes(ev.args)
         )
+    if t is Forward:
+        return _U8.pack(T_FORWARD) + encode_forward(ev)
     raise ClusterError(f"cannot encode {ev!r}")
 
 
@@ -386,6 +392,12 @@ def decode_batch(data: bytes, sender: int) -> list[Any]:
                     raise IndexError("admin arguments past the end of the batch")
                 out.append(AdminCommand(member, ticket, user, op, args))
                 p += 4 + size
+                continue
+            if t == T_FORWARD:
+                fwd, p = decode_forward(data, p)
+                if fwd.member != sender:
+                    raise ClusterError(f"member {sender} sent messages of {fwd.member}'s link")
+                out.append(fwd)
                 continue
             if t == T_CHECKPOINT:
                 member, seq = struct.unpack_from(">QQ", data, p)

@@ -40,14 +40,15 @@ from pamqp import header as pheader
 from cpgbroker.errors import AMQPError, CpgBrokerError, ReplyCode
 from cpgbroker.model import auth
 from cpgbroker.model import entities as E
-from cpgbroker.model.config import Permission, User
+from cpgbroker.model.config import Permission, Policy, User
 from cpgbroker.model.connection import Connections
 from cpgbroker.model.consumers import Consumers
 from cpgbroker.model.delivery import Delivery
-from cpgbroker.model.events import AdminCommand, AdminReply
+from cpgbroker.model.events import AdminCommand, AdminReply, Forward
+from cpgbroker.model.federation import UPSTREAM, Federation, upstream_from_value
 from cpgbroker.model.output import Output
 from cpgbroker.model.permissions import READ, TRUSTED, WRITE, Permissions, compile_pattern
-from cpgbroker.model.policies import Policies, Policy, escaped_term, validate
+from cpgbroker.model.policies import Policies, escaped_term, validate
 from cpgbroker.model.topology import PREDECLARED, Topology
 from cpgbroker.model.users import Users
 from cpgbroker.wire.fastpath import parse_content_header
@@ -191,7 +192,7 @@ class Admin:
         delivery: Delivery,
         consumers: Consumers,
         out: Output,
-        frame_max: int,
+        federation: Federation,
     ) -> None:
         self._users = users
         self._permissions = permissions
@@ -201,7 +202,7 @@ class Admin:
         self._delivery = delivery
         self._consumers = consumers
         self._out = out
-        self._frame_max = frame_max
+        self._federation = federation
         # The replica's own member id (0 standalone): an answer to another member's operator
         # is a confirm that waits for this member's progress report (``Output.confirmed``).
         # Not replicated.
@@ -230,6 +231,9 @@ class Admin:
             "publish": self.publish,
             "close_connection": self.close_connection,
             "import_definitions": self.import_definitions,
+            "put_parameter": self.put_parameter,
+            "delete_parameter": self.delete_parameter,
+            "federation_status": self.federation_status,
         }
 
     def apply(self, e: AdminCommand) -> None:
@@ -327,6 +331,7 @@ class Admin:
         del topology.vhosts[name]
         self._users.forget_vhost(name)
         self._policies.forget_vhost(name)
+        self._federation.forget_vhost(name)
         return 204, None
 
     # ------------------------------------------------------------------ permissions
@@ -664,6 +669,62 @@ class Admin:
         self._conns.close(conn.id, R.CONNECTION_FORCED, reason)
         return 204, None
 
+    # ------------------------------------------------------------------ federation
+
+    def put_parameter(self, args: dict[str, Any], who: str) -> Answer:
+        """A runtime parameter: only ``federation-upstream`` is ours (RabbitMQ's shape:
+        ``{"value": {...}}``)."""
+        component, vhost, name = _str(args, "component"), _str(args, "vhost"), _name(args, "name")
+        if component != UPSTREAM:
+            raise bad_request(f"unknown component {component!r}: only {UPSTREAM} is supported")
+        if vhost not in self._topology.vhosts:
+            raise AdminError(404, "not_found", "vhost_not_found")
+        upstream = upstream_from_value(vhost, name, args.get("value"))
+        if isinstance(upstream, str):
+            raise bad_request(f"Validation failed\n\n{upstream}\n")
+        return (201 if self._federation.put(upstream) else 204), None
+
+    def delete_parameter(self, args: dict[str, Any], who: str) -> Answer:
+        if _str(args, "component") != UPSTREAM:
+            raise not_found()
+        if not self._federation.delete(_str(args, "vhost"), _str(args, "name")):
+            raise not_found()
+        return 204, None
+
+    def federation_status(self, args: dict[str, Any], who: str) -> Answer:
+        """A link's runner reports a change of its state (runtime/federation.py): only a
+        member does (the secret holder's identity), never an HTTP caller."""
+        if who != TRUSTED:
+            raise AdminError(401, "not_authorised", "Access refused.")
+        key = (_str(args, "vhost"), _str(args, "exchange"), _str(args, "upstream"))
+        state = args.get("state")
+        if not isinstance(state, dict):
+            raise bad_request("state must be a JSON object")
+        self._federation.report(key, state)
+        return 204, None
+
+    def forward(self, e: Forward) -> None:
+        """Messages a federation link brought in: published into the local exchange, each
+        as the management API's publish is (routed, enqueued, dispatched; no confirm of its
+        own: the answer is the link's confirm). A header that does not parse is dropped, not
+        trusted: the answer counts what was routed."""
+        vh = self._topology.vhosts.get(e.vhost)
+        ex = None if vh is None else vh.exchanges.get(e.exchange)
+        status: int = 404
+        routed = 0
+        if vh is not None and ex is not None:
+            status = 200
+            publish = self._delivery.publish_admin
+            for rk, header, body in e.messages:
+                try:
+                    parse_content_header(header)
+                except ValueError:
+                    continue
+                if publish(vh, ex, rk, header, body):
+                    routed += 1
+        self._out.effect(AdminReply(e.member, e.ticket, status, {"routed": routed}))
+        self._out.admin_answered(e.member != self.local_member)
+
     # ------------------------------------------------------------------ definitions
 
     def import_definitions(self, args: dict[str, Any], who: str) -> Answer:
@@ -688,6 +749,7 @@ class Admin:
             ("users", lambda u: {**u, "tags": u.get("tags", "")}),
             ("vhosts", lambda v: {"name": v.get("name")}),
             ("permissions", lambda p: p),
+            ("parameters", lambda p: p),
             ("policies", lambda p: p),
             ("queues", lambda q: q),
             ("exchanges", lambda x: x),
@@ -697,6 +759,7 @@ class Admin:
             "users": self.put_user,
             "vhosts": self.put_vhost,
             "permissions": self.put_permissions,
+            "parameters": self.put_parameter,
             "policies": self.put_policy,
             "queues": self.put_queue,
             "exchanges": self.put_exchange,
@@ -707,6 +770,8 @@ class Admin:
             for item in items(key):
                 if key == "exchanges" and _predeclared(item):
                     continue  # RabbitMQ's export leaves them out; a hand-written one may not
+                if key == "parameters" and item.get("component") != UPSTREAM:
+                    continue  # vhost limits and other parameters: not ours (operations.md)
                 vh = vhosts.get(item.get("vhost", ""))
                 if vh is not None and (
                     (key == "queues" and item.get("name") in vh.queues)

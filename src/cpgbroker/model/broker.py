@@ -35,6 +35,7 @@ component         module                 owns
 ``permissions``   ``permissions.py``     users' compiled permissions, cached results
 ``users``         ``users.py``           users (seeded by the configuration)
 ``policies``      ``policies.py``        policies, by vhost
+``federation``    ``federation.py``      federation upstreams; what link runners reported
 ``topology``      ``topology.py``        vhosts, exchanges, queues, bindings, member list,
                                          the queue timer indexes
 ``confirms``      ``confirms.py``        publisher-confirm bookkeeping
@@ -74,10 +75,12 @@ from cpgbroker.model.events import (
     DoOutput,
     Effect,
     Event,
+    Forward,
     MemberLeft,
     Recovered,
     Tick,
 )
+from cpgbroker.model.federation import Federation
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output
 from cpgbroker.model.permissions import Permissions
@@ -106,7 +109,8 @@ class Broker:
         self.mark = MemoryMark(cfg, self.connections, self.out)
         self.permissions = Permissions()
         self.users = Users(cfg.users, self.permissions)
-        self.policies = Policies()
+        self.policies = Policies(cfg.policies)
+        self.federation = Federation(cfg.upstreams)
         self.topology = Topology(
             cfg.vhosts,
             cfg.member_urls,
@@ -169,7 +173,7 @@ class Broker:
             self.delivery,
             self.consumers,
             self.out,
-            cfg.frame_max,
+            self.federation,
         )
         # Bound once: apply routes every event through these.
         self._on_data = self.conns.on_data
@@ -209,6 +213,8 @@ class Broker:
             self.topology.drop_transient()
         elif t is AdminCommand:
             self.admin.apply(event)  # type: ignore[arg-type]
+        elif t is Forward:
+            self.admin.forward(event)  # type: ignore[arg-type]
         else:
             raise InvariantError(f"unknown event {event!r}")
         return self._flush()

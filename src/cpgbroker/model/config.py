@@ -3,7 +3,11 @@ they change replicated behaviour (the cluster checks this when a member joins)."
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
+
+from cpgbroker.model.federation import Upstream
 
 # RabbitMQ's permission pattern for "every resource" (what ``vhosts = [...]`` grants).
 ALL = ".*"
@@ -52,6 +56,18 @@ class User:
 
 
 @attrs.frozen
+class Policy:
+    """A policy (model/policies.py applies them): RabbitMQ's set_policy fields."""
+
+    vhost: str
+    name: str
+    pattern: str
+    apply_to: str
+    definition: dict[str, Any]
+    priority: int = 0
+
+
+@attrs.frozen
 class BrokerConfig:
     users: tuple[User, ...] = (
         User("guest", "guest", ("/",), loopback_only=True, tags=("administrator",)),
@@ -89,6 +105,14 @@ class BrokerConfig:
     # more than this many ready messages pauses the publisher until the queue is down to half;
     # 0: off (publishers then slow down only at the memory mark).
     queue_flow_messages: int = 1000
+    # This cluster's name across a federation ([federation] server_id): announced to peers,
+    # and a link from or to a cluster of the same id is refused on both sides. "": no
+    # federation identity.
+    server_id: str = ""
+    # Federation upstreams and policies the configuration seeds (model/federation.py,
+    # model/policies.py).
+    upstreams: tuple[Upstream, ...] = ()
+    policies: tuple[Policy, ...] = ()
     product: str = "cpgbroker"
     version: str = "0.1.0"
     cluster_name: str = ""

@@ -57,6 +57,7 @@ from cpgbroker.model.entities import (
     Connection,
 )
 from cpgbroker.model.events import ClientConnected, LoginRefused
+from cpgbroker.model.federation import SERVER_ID_PROPERTY
 from cpgbroker.model.limits import check_connection_open
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output
@@ -379,6 +380,9 @@ class Connections:
             "capabilities": dict(SERVER_CAPABILITIES),
             "cluster_name": cfg.cluster_name or "standalone",
         }
+        if cfg.server_id:
+            # Federation peers compare it with their own (model/federation.py).
+            props[SERVER_ID_PROPERTY] = cfg.server_id
         member_urls = self._topology.member_urls
         if member_urls:
             props["cluster_members"] = " ".join(member_urls)
@@ -395,6 +399,15 @@ class Connections:
     def _start_ok(self, conn: Connection, m: Any) -> None:
         props = m.client_properties or {}
         conn.client_properties = dict(props)
+        server_id = self._config.server_id
+        if server_id and props.get(SERVER_ID_PROPERTY) == server_id:
+            # A federation link from a cluster that calls itself what this one is called:
+            # one of the two is misconfigured, and messages would loop between "itself".
+            # Refused loudly (the owner logs it, the link's side reports the close).
+            why = f"duplicate server id '{server_id}': a federation peer uses this cluster's own"
+            self._out.effect(LoginRefused(conn.id, "", str(m.mechanism), why))
+            self.connection_error(conn, ConnectionError_(R.NOT_ALLOWED, why))
+            return
         caps = props.get("capabilities") or {}
         if isinstance(caps, dict):
             conn.capabilities = {str(k): bool(v) for k, v in caps.items()}

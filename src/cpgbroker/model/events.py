@@ -7,6 +7,7 @@ executes the effects for it; every other member drops them (shadow connections).
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import attrs
@@ -127,6 +128,21 @@ class AdminCommand:
     args: bytes
 
 
+@attrs.frozen
+class Forward:
+    """Messages a federation link of ``member`` brought in from an upstream cluster
+    (runtime/federation.py), to publish into ``exchange`` of ``vhost`` in this order, as
+    (routing key, content header, body): the header already carries ``x-received-from``.
+    Answered like an :class:`AdminCommand` (``member``, ``ticket``): the link acknowledges
+    them upstream once the answer says every member has them."""
+
+    member: int
+    ticket: int
+    vhost: str
+    exchange: str
+    messages: tuple[tuple[str, bytes, bytes], ...]
+
+
 Event = (
     ClientConnected
     | ClientData
@@ -139,6 +155,7 @@ Event = (
     | Recovered
     | DiskAlarm
     | AdminCommand
+    | Forward
 )
 
 
@@ -214,3 +231,59 @@ class AdminReply:
 
 
 Effect = Send | CloseConnection | WantOutput | Throttle | LoginRefused | AdminReply
+
+# -- Forward's binary form: the multicast codec's and the journal's (cluster/codec.py,
+# store/records.py), here so that both layers can share it.
+
+_Q = struct.Struct(">Q")
+_I = struct.Struct(">I")
+_H = struct.Struct(">H")
+
+
+def _s(text: str) -> bytes:
+    b = text.encode()
+    return _H.pack(len(b)) + b
+
+
+def _read_s(data: bytes, p: int) -> tuple[str, int]:
+    (n,) = _H.unpack_from(data, p)
+    end = p + 2 + n
+    if end > len(data):
+        raise IndexError("string past the end")
+    return data[p + 2 : end].decode(), end
+
+
+def encode_forward(ev: Forward) -> bytes:
+    """A Forward's body (also the journal's: store/records.py)."""
+    parts = [
+        _Q.pack(ev.member),
+        _Q.pack(ev.ticket),
+        _s(ev.vhost),
+        _s(ev.exchange),
+        _I.pack(len(ev.messages)),
+    ]
+    for rk, header, body in ev.messages:
+        parts += [_s(rk), _I.pack(len(header)), header, _I.pack(len(body)), body]
+    return b"".join(parts)
+
+
+def decode_forward(data: bytes, p: int) -> tuple[Forward, int]:
+    """A Forward's body at ``p``; the event and where it ends (IndexError if cut short)."""
+    member, ticket = struct.unpack_from(">QQ", data, p)
+    vhost, p = _read_s(data, p + 16)
+    exchange, p = _read_s(data, p)
+    (n,) = _I.unpack_from(data, p)
+    p += 4
+    messages = []
+    for _ in range(n):
+        rk, p = _read_s(data, p)
+        (hlen,) = _I.unpack_from(data, p)
+        header = bytes(data[p + 4 : p + 4 + hlen])
+        p += 4 + hlen
+        (blen,) = _I.unpack_from(data, p)
+        body = bytes(data[p + 4 : p + 4 + blen])
+        p += 4 + blen
+        if len(header) != hlen or len(body) != blen:
+            raise IndexError("forwarded message past the end")
+        messages.append((rk, header, body))
+    return Forward(member, ticket, vhost, exchange, tuple(messages)), p

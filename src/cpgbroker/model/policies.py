@@ -33,8 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import attrs
-
+from cpgbroker.model.config import Policy
 from cpgbroker.model.entities import Queue
 from cpgbroker.model.exchange import Exchange
 from cpgbroker.model.permissions import compile_pattern
@@ -71,29 +70,23 @@ INERT_KEYS = (
     "max-in-memory-length",
     "max-in-memory-bytes",
 )
-KNOWN_KEYS = (*INT_KEYS, *STR_KEYS, "alternate-exchange", *INERT_KEYS)
+# Exchanges: which upstreams feed them (model/federation.py; a set: only "all").
+FEDERATION_KEYS = ("federation-upstream", "federation-upstream-set")
+KNOWN_KEYS = (*INT_KEYS, *STR_KEYS, "alternate-exchange", *FEDERATION_KEYS, *INERT_KEYS)
 
 
-@attrs.frozen
-class Policy:
-    vhost: str
-    name: str
-    pattern: str
-    apply_to: str
-    definition: dict[str, Any]
-    priority: int = 0
+def matches_queue(p: Policy, q: Queue) -> bool:
+    if p.apply_to == "exchanges":
+        return False
+    if p.apply_to == "classic_queues" and q.quorum:
+        return False
+    if p.apply_to == "quorum_queues" and not q.quorum:
+        return False
+    return _search(p.pattern, q.name)
 
-    def matches_queue(self, q: Queue) -> bool:
-        if self.apply_to == "exchanges":
-            return False
-        if self.apply_to == "classic_queues" and q.quorum:
-            return False
-        if self.apply_to == "quorum_queues" and not q.quorum:
-            return False
-        return _search(self.pattern, q.name)
 
-    def matches_exchange(self, ex: Exchange) -> bool:
-        return self.apply_to in ("exchanges", "all") and _search(self.pattern, ex.name)
+def matches_exchange(p: Policy, ex: Exchange) -> bool:
+    return p.apply_to in ("exchanges", "all") and _search(p.pattern, ex.name)
 
 
 def _search(pattern: str, name: str) -> bool:
@@ -114,6 +107,8 @@ _BAD_VALUE = {
     "dead-letter-exchange": "is not a valid dead letter exchange name",
     "dead-letter-routing-key": "is not a valid dead letter routing key",
     "alternate-exchange": "is not a valid alternate exchange name",
+    "federation-upstream": "is not a valid federation upstream name",
+    "federation-upstream-set": "is not a valid federation upstream set name",
 }
 
 
@@ -147,7 +142,7 @@ def validate(p: Policy) -> str | None:
             ok = ok and not (key == "expires" and value == 0)
         elif key == "overflow":
             ok = value in OVERFLOWS
-        elif key in STR_KEYS or key == "alternate-exchange":
+        elif key in STR_KEYS or key == "alternate-exchange" or key in FEDERATION_KEYS:
             ok = isinstance(value, str)
         else:
             ok = True
@@ -159,9 +154,11 @@ def validate(p: Policy) -> str | None:
 class Policies:
     __slots__ = ("by_vhost",)
 
-    def __init__(self) -> None:
+    def __init__(self, seed: tuple[Policy, ...] = ()) -> None:
         # vhost -> policy name -> policy, in the order they were first set.
         self.by_vhost: dict[str, dict[str, Policy]] = {}
+        for p in seed:
+            self.put(p)
 
     def put(self, p: Policy) -> bool:
         """Set ``p`` (validated) in place of the policy of its name; whether it is new."""
@@ -215,12 +212,12 @@ class Policies:
     def for_queue(self, q: Queue) -> Policy | None:
         if q.vhost not in self.by_vhost:
             return None
-        return self._best(q.vhost, lambda p: p.matches_queue(q))
+        return self._best(q.vhost, lambda p: matches_queue(p, q))
 
     def for_exchange(self, ex: Exchange) -> Policy | None:
         if ex.vhost not in self.by_vhost:
             return None
-        return self._best(ex.vhost, lambda p: p.matches_exchange(ex))
+        return self._best(ex.vhost, lambda p: matches_exchange(p, ex))
 
     def apply_to_queue(self, q: Queue) -> None:
         """Set ``q``'s effective limits from its arguments and the policy that applies to it
@@ -246,6 +243,12 @@ class Policies:
         # A routing key without an exchange does nothing, as RabbitMQ's argument check says.
         q.dlrk = values["dead-letter-routing-key"] if q.dlx is not None else None
         q.overflow = values["overflow"] or "drop-head"
+
+    def definition_of(self, ex: Exchange) -> dict[str, Any]:
+        """The definition of the policy that applies to ``ex`` ({} for none)."""
+        if ex.policy is None:
+            return {}
+        return self.by_vhost[ex.vhost][ex.policy].definition
 
     def apply_to_exchange(self, ex: Exchange) -> None:
         p = self.for_exchange(ex)

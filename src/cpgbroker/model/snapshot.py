@@ -35,7 +35,7 @@ from typing import Any
 from cpgbroker.errors import InvariantError
 from cpgbroker.model import entities as E
 from cpgbroker.model.broker import Broker
-from cpgbroker.model.config import BrokerConfig, Permission, User
+from cpgbroker.model.config import BrokerConfig, Permission, Policy, User
 from cpgbroker.model.entities import (
     Channel,
     Connection,
@@ -53,7 +53,7 @@ from cpgbroker.model.entities import (
     ready_messages,
 )
 from cpgbroker.model.exchange import Exchange
-from cpgbroker.model.policies import Policy
+from cpgbroker.model.federation import Upstream
 from cpgbroker.model.topology import VHost
 from cpgbroker.wire import fastpath as fp
 from cpgbroker.wire.framer import FrameReader
@@ -324,6 +324,26 @@ def _head(b: Broker, queues: list[Queue]) -> dict[str, Any]:
     users = b.users
     if tuple(users.by_name.values()) != users.seeded:
         h["users"] = [_user(u) for u in users.by_name.values()]
+    fed = b.federation
+    if fed.upstreams or fed.status:
+        h["federation"] = {
+            "upstreams": [
+                [
+                    u.vhost,
+                    u.name,
+                    list(u.uris),
+                    u.exchange,
+                    u.max_hops,
+                    u.ack_mode,
+                    u.prefetch_count,
+                    u.reconnect_delay_s,
+                    u.expires,
+                    u.message_ttl,
+                ]
+                for u in fed.all()
+            ],
+            "status": [[*key, state] for key, state in fed.status.items()],
+        }
     policies = b.policies.all()
     if policies:
         h["policies"] = [
@@ -645,6 +665,10 @@ class Restorer:
         if "users" in h:
             self.b.users.restore(_restore_user(d) for d in h["users"])
         self.b.policies.restore([Policy(*p) for p in h.get("policies", [])])
+        fed = h.get("federation", {"upstreams": [], "status": []})
+        self.b.federation.restore(
+            [Upstream(u[0], u[1], tuple(u[2]), *u[3:]) for u in fed["upstreams"]], fed["status"]
+        )
         self.head = h
 
     def _messages(self, rows: list[Any]) -> None:

@@ -569,7 +569,11 @@ class Topology:
             detach_unacked(c)
             conn = ch.conn
             if conn.capabilities.get("consumer_cancel_notify") and not ch.closing:
-                self._out.send_method(conn, ch.id, commands.Basic.Cancel(consumer_tag=c.tag))
+                # nowait, as RabbitMQ sends it: clients (pika, the Java client) do not answer
+                # a broker's cancel, and one that did would get a cancel-ok back unexpected.
+                self._out.send_method(
+                    conn, ch.id, commands.Basic.Cancel(consumer_tag=c.tag, nowait=True)
+                )
         q.consumers.clear()
         q.ranked_consumers = 0
         release = self._mark.release

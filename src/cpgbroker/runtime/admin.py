@@ -228,6 +228,14 @@ class AdminRoutes:
                 self._refused(req, wanted.status, who.name, reason)
             return _json(wanted.status, wanted.body)
         commands = wanted if isinstance(wanted, list) else [wanted]
+        if commands and commands[0].op == "import_definitions":
+            # (The body parsed as a JSON object already, or there would be no commands.)
+            skipped = mgmt_write.not_imported(json.loads(req.body or b"{}"))
+            if skipped:
+                log.warning(
+                    "definitions import leaves out what cpgbroker does not have: %s",
+                    ", ".join(f"{n} {k}" for k, n in skipped.items()),
+                )
         status: int = 204
         body: Any = None
         for cmd in commands:

@@ -52,12 +52,20 @@ class AdminDesk:
 
     async def request(self, user: str, op: str, args: dict[str, Any], timeout: float) -> Answer:
         """Submit ``op`` and wait for its answer (``trio.TooSlowError`` after ``timeout``)."""
+        # Key order kept: a definitions import is applied in its document's order.
+        data = json.dumps(args).encode()
+        return await self.submit(
+            lambda ticket: AdminCommand(self.member, ticket, user, op, data), timeout
+        )
+
+    async def submit(self, make: Callable[[int], Event], timeout: float) -> Answer:
+        """Submit the event ``make(ticket)`` (one the model answers with an ``AdminReply``
+        naming this member and that ticket: an admin command, a federation link's messages)
+        and wait for the answer, once settled."""
         ticket = next(self._tickets)
         wait = self._waiting[ticket] = _Wait()
         try:
-            # Key order kept: a definitions import is applied in its document's order.
-            data = json.dumps(args).encode()
-            await self._submit(AdminCommand(self.member, ticket, user, op, data))
+            await self._submit(make(ticket))
             with trio.fail_after(timeout):
                 await wait.done.wait()
         finally:

@@ -43,6 +43,7 @@ TYPE_NAMES = {
     "Recovered": "recovered",
     "DiskAlarm": "disk-alarm",
     "AdminCommand": "admin",
+    "Forward": "forward",
 }
 
 

@@ -88,6 +88,7 @@ from cpgbroker.runtime.confirms import ConfirmGate
 from cpgbroker.runtime.cpg_trio import TrioCpg
 from cpgbroker.runtime.errorchecks import ErrorChecks
 from cpgbroker.runtime.eventlog import EventLog
+from cpgbroker.runtime.federation import FederationLinks
 from cpgbroker.runtime.multicast import Multicaster
 from cpgbroker.runtime.newcomer import Newcomer
 from cpgbroker.runtime.quorum_trio import TrioQuorum
@@ -205,6 +206,18 @@ class ClusterNode:
         )
         self.io.desk = self.desk
         self.broker.admin.local_member = member
+        # The federation links this member runs (runtime/federation.py).
+        self.federation = FederationLinks(
+            member,
+            config.broker.server_id,
+            # Without a server id, the CPG group names the cluster upstream (stable across
+            # restarts, unlike member ids: the upstream queue must keep its name).
+            config.broker.server_id or cluster.group,
+            self.desk,
+            lambda: self.broker,
+            lambda: self.membership.ready_members,
+            lambda: self.serving and self.stops.halted is None,
+        )
         self.eventlog = EventLog(cluster.event_log, member, incarnation)
         self.checkpoints = Checkpointer(
             member, cluster.checkpoint_every, send, self.eventlog, self._vouches

@@ -40,9 +40,10 @@ from cpgbroker.model import auth
 from cpgbroker.model import entities as E
 from cpgbroker.model.admin import properties_key
 from cpgbroker.model.broker import Broker
-from cpgbroker.model.config import User
+from cpgbroker.model.config import Policy, User
 from cpgbroker.model.exchange import Exchange
-from cpgbroker.model.policies import Policies, Policy
+from cpgbroker.model.federation import UPSTREAM, Upstream
+from cpgbroker.model.policies import Policies
 from cpgbroker.model.topology import VHost
 
 # RabbitMQ's realm (rabbit_mgmt.hrl AUTH_REALM): clients and browsers show it.
@@ -428,6 +429,37 @@ def permissions_json(users: Iterable[User], vhosts: Iterable[str]) -> list[dict[
     ]
 
 
+def parameter_json(u: Upstream) -> dict[str, Any]:
+    """A federation upstream as RabbitMQ shows the runtime parameter."""
+    return {"value": u.value(), "vhost": u.vhost, "component": UPSTREAM, "name": u.name}
+
+
+def federation_links_json(b: Broker, view: ClusterView) -> list[dict[str, Any]]:
+    """RabbitMQ's federation-management shape: one per link, with what its runner last
+    reported (every member shows the same: the reports are replicated)."""
+    out = []
+    for link in b.federation.links(b.vhosts, b.policies.definition_of):
+        state = b.federation.status.get(link.key, {})
+        member = state.get("member")
+        item = {
+            "node": view.member_name(member) if isinstance(member, int) else "",
+            "vhost": link.vhost,
+            "exchange": link.exchange,
+            "upstream_exchange": link.upstream_exchange,
+            "type": "exchange",
+            "upstream": link.upstream.name,
+            "id": f"{link.vhost}/{link.exchange}/{link.upstream.name}",
+            "status": state.get("status", "starting"),
+            "uri": state.get("uri", ""),
+            "local_connection": "",
+        }
+        for key in ("error", "forwarded", "upstream_queue_messages"):
+            if key in state:
+                item[key] = state[key]
+        out.append(item)
+    return out
+
+
 def policy_json(p: Policy) -> dict[str, Any]:
     return {
         "vhost": p.vhost,
@@ -533,7 +565,7 @@ def definitions_json(b: Broker) -> dict[str, Any]:
         "vhosts": [{"name": vh.name} for vh in vhosts],
         "permissions": permissions_json(b.users.by_name.values(), b.vhosts),
         "topic_permissions": [],
-        "parameters": [],
+        "parameters": [parameter_json(u) for u in b.federation.all()],
         "global_parameters": [],
         "policies": [policy_json(p) for p in b.policies.all()],
         "queues": [
@@ -666,7 +698,7 @@ def needed_tags(parts: list[str]) -> tuple[str, ...]:
         return ADMIN_TAGS
     if parts[:1] == ["nodes"]:
         return MONITOR_TAGS
-    if parts[:1] == ["policies"]:
+    if parts[:1] in (["policies"], ["parameters"]):
         return ("administrator", "policymaker")
     return MGMT_TAGS
 
@@ -904,6 +936,29 @@ class ManagementApi:
         found = [p for p in shown if p["name"] == rest[1]]
         return Answer(200, found[0]) if found else _not_found()
 
+    def _parameters(self, rest: list[str], view: ClusterView, identity: Identity) -> Answer:
+        b = view.broker
+        if b is None or not rest or rest[0] != UPSTREAM or len(rest) > 3:
+            return Answer(200, []) if b is None and not rest else _not_found()
+        shown = [parameter_json(u) for u in b.federation.all()]
+        if len(rest) >= 2:
+            if rest[1] not in b.vhosts:
+                return _not_found()
+            shown = [p for p in shown if p["vhost"] == rest[1]]
+        if len(rest) == 3:
+            found = [p for p in shown if p["name"] == rest[2]]
+            return Answer(200, found[0]) if found else _not_found()
+        return Answer(200, shown)
+
+    def _federation_links(self, rest: list[str], view: ClusterView, identity: Identity) -> Answer:
+        b = view.broker
+        if b is None:
+            return Answer(200, [])
+        links = federation_links_json(b, view)
+        if rest:
+            links = [x for x in links if x["vhost"] == rest[0]]
+        return Answer(200, links)
+
     def _aliveness(self, rest: list[str], view: ClusterView, identity: Identity) -> Answer:
         # RabbitMQ declares aliveness-test in the vhost and publishes and gets a message; a
         # read-only API cannot (a declare is a replicated event), so: the vhost exists and
@@ -967,6 +1022,8 @@ class ManagementApi:
         "users": _users,
         "permissions": _permissions,
         "policies": _policies,
+        "parameters": _parameters,
+        "federation-links": _federation_links,
         "aliveness-test": _aliveness,
         "cluster-name": _cluster_name,
         "definitions": _definitions,

@@ -159,6 +159,14 @@ def command_for(
             return Command("put_policy", {**body, **target}, who)
         if method == "DELETE":
             return Command("delete_policy", target, who)
+    elif head == "parameters" and len(rest) == 3:
+        if not identity.any_of(POLICY_TAGS):
+            return _not_authorised("Not policymaker user")
+        target = {"component": rest[0], "vhost": rest[1], "name": rest[2]}
+        if method == "PUT":
+            return Command("put_parameter", {**body, **target}, who)
+        if method == "DELETE":
+            return Command("delete_parameter", target, who)
     elif head == "queues" and len(rest) in (2, 3):
         target = {"vhost": rest[0], "name": rest[1]}
         if len(rest) == 2 and method == "PUT":
@@ -247,7 +255,8 @@ def import_commands(
     out: list[Command] = []
     chunk: dict[str, list[Any]] = {}
     size = 0
-    for key in ("users", "vhosts", "permissions", "policies", "queues", "exchanges", "bindings"):
+    keys = ("users", "vhosts", "permissions", "parameters", "policies", "queues", "exchanges")
+    for key in (*keys, "bindings"):
         items = defs.get(key) or []
         if not isinstance(items, list):
             return _bad(f"{key} must be a list")
@@ -261,6 +270,22 @@ def import_commands(
     if chunk or not out:
         out.append(Command("import_definitions", {**base, "definitions": chunk}, who))
     return out
+
+
+def not_imported(definitions: dict[str, Any]) -> dict[str, int]:
+    """What of RabbitMQ's definitions an import leaves out (docs/operations.md): how many
+    topic permissions, runtime parameters other than federation upstreams, global
+    parameters; for the member to say so in its log (RabbitMQ answers the import 204)."""
+    counts = {
+        "topic_permissions": len(definitions.get("topic_permissions") or []),
+        "parameters": sum(
+            1
+            for p in definitions.get("parameters") or []
+            if not isinstance(p, dict) or p.get("component") != "federation-upstream"
+        ),
+        "global_parameters": len(definitions.get("global_parameters") or []),
+    }
+    return {k: n for k, n in counts.items() if n}
 
 
 @attrs.frozen

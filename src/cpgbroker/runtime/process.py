@@ -468,6 +468,8 @@ class MemberProcess:
                     for task in node.guarded_tasks():
                         nursery.start_soon(guarded, task)
                     nursery.start_soon(node.cluster_ticker)
+                    # This member's share of the federation links (none without upstreams).
+                    nursery.start_soon(node.federation.run)
                     activity = -1
                     while not node.ready.is_set():
                         with trio.move_on_after(cluster.ready_timeout):
@@ -591,7 +593,10 @@ def member_status(node: ClusterNode, with_digest: bool) -> dict[str, Any]:
                     # How far it has applied the stream, as it last reported (this member:
                     # now), and whether its digest agreed at the last checkpoint.
                     "applied": b.event_seq if m == node.member else node.progress.peer.get(m),
-                    "checkpoint_agreed": None if last is None else m not in last.losers,
+                    # (None: it took no part in the last checkpoint, or there was none.)
+                    "checkpoint_agreed": None
+                    if last is None or m not in dict(last.digests)
+                    else m not in last.losers,
                 }
                 for m, i in node.membership.members.items()
             ],
@@ -617,6 +622,18 @@ def member_status(node: ClusterNode, with_digest: bool) -> dict[str, Any]:
                 "admin_unsettled": len(node.desk.unsettled),
             },
             "apply_seconds": node.apply_times.as_dict(),
+            # Every link of the cluster with what its runner last reported (replicated), and
+            # this member's own links as it sees them now.
+            "federation_links": [
+                {
+                    "vhost": link.vhost,
+                    "exchange": link.exchange,
+                    "upstream": link.upstream.name,
+                    **b.federation.status.get(link.key, {"status": "starting"}),
+                }
+                for link in b.federation.links(b.vhosts, b.policies.definition_of)
+            ],
+            "federation": node.federation.status(),
             "update": node.newcomer.status(),
             "updating": node.updater.status(),
             "quorum": None if node.quorum is None else node.quorum.status(),

@@ -11,7 +11,9 @@ import attrs
 
 from cpgbroker.errors import ConfigError
 from cpgbroker.model import auth, permissions
-from cpgbroker.model.config import BrokerConfig, Permission, User
+from cpgbroker.model.config import BrokerConfig, Permission, Policy, User
+from cpgbroker.model.federation import Upstream, upstream_from_value
+from cpgbroker.model.policies import validate as validate_policy
 from cpgbroker.runtime.tls import TlsConfig, parse_tls
 from cpgbroker.store.store import FSYNC_POLICIES, RECOVER_WITH, StoreSettings
 
@@ -117,6 +119,71 @@ def parse_listen(addr: str) -> tuple[str, int]:
     return host, p
 
 
+def _policies(raw: Any, vhosts: tuple[str, ...]) -> tuple[Policy, ...]:
+    """``[[policies]]``: policies a new cluster starts with (RabbitMQ's set_policy keys)."""
+    if not isinstance(raw, list):
+        raise ConfigError("policies must be an array of tables ([[policies]])")
+    out = []
+    for p in raw:
+        unknown = sorted(
+            set(p) - {"vhost", "name", "pattern", "apply_to", "definition", "priority"}
+        )
+        if unknown:
+            raise ConfigError(f"unknown [[policies]] key(s): {', '.join(unknown)}")
+        policy = Policy(
+            str(p.get("vhost", "/")),
+            _req(p, "name", "policies"),
+            _req(p, "pattern", "policies"),
+            str(p.get("apply_to", "all")),
+            dict(p.get("definition", {})),
+            int(p.get("priority", 0)),
+        )
+        if policy.vhost not in vhosts:
+            raise ConfigError(f"policy {policy.name!r}: vhost {policy.vhost!r} is not declared")
+        problem = validate_policy(policy)
+        if problem is not None:
+            raise ConfigError(f"policy {policy.name!r}: {problem}")
+        out.append(policy)
+    return tuple(out)
+
+
+# [[federation.upstreams]] keys, and the key of RabbitMQ's federation-upstream value each is.
+_UPSTREAM_KEYS = {
+    "uri": "uri",
+    "exchange": "exchange",
+    "max_hops": "max-hops",
+    "ack_mode": "ack-mode",
+    "prefetch_count": "prefetch-count",
+    "reconnect_delay": "reconnect-delay",
+    "expires": "expires",
+    "message_ttl": "message-ttl",
+}
+
+
+def _federation(raw: Any, vhosts: tuple[str, ...]) -> tuple[str, tuple[Upstream, ...]]:
+    """``[federation]``: this cluster's server id and the upstreams a new cluster starts with."""
+    if not isinstance(raw, dict):
+        raise ConfigError("[federation] must be a table")
+    unknown = sorted(set(raw) - {"server_id", "upstreams"})
+    if unknown:
+        raise ConfigError(f"unknown [federation] key(s): {', '.join(unknown)}")
+    server_id = str(raw.get("server_id", ""))
+    upstreams = []
+    for u in raw.get("upstreams", []):
+        extra = sorted(set(u) - {"name", "vhost", *_UPSTREAM_KEYS})
+        if extra:
+            raise ConfigError(f"unknown [[federation.upstreams]] key(s): {', '.join(extra)}")
+        name, vhost = _req(u, "name", "federation.upstreams"), str(u.get("vhost", "/"))
+        if vhost not in vhosts:
+            raise ConfigError(f"upstream {name!r}: vhost {vhost!r} is not declared")
+        value = {_UPSTREAM_KEYS[k]: v for k, v in u.items() if k in _UPSTREAM_KEYS}
+        upstream = upstream_from_value(vhost, name, value)
+        if isinstance(upstream, str):
+            raise ConfigError(f"upstream {name!r}: {upstream}")
+        upstreams.append(upstream)
+    return server_id, tuple(upstreams)
+
+
 def load(path: str | None, listen: str | None = None) -> ServerConfig:
     data: dict[str, Any] = {}
     if path is not None:
@@ -130,7 +197,18 @@ def load(path: str | None, listen: str | None = None) -> ServerConfig:
 
 
 def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
-    known = {"server", "limits", "users", "vhosts", "cluster", "log", "store", "tls"}
+    known = {
+        "server",
+        "limits",
+        "users",
+        "vhosts",
+        "cluster",
+        "log",
+        "store",
+        "tls",
+        "policies",
+        "federation",
+    }
     unknown = sorted(k for k in data if k not in known)
     if unknown:
         raise ConfigError(f"unknown config section(s): {', '.join(unknown)}")
@@ -190,10 +268,14 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
                     "permissions) and in [[users.permissions]]"
                 )
         permissions.check_user(u)
+    server_id, upstreams = _federation(data.get("federation", {}), vhosts)
     try:
         broker = BrokerConfig(
             users=users,
             vhosts=vhosts,
+            policies=_policies(data.get("policies", []), vhosts),
+            server_id=server_id,
+            upstreams=upstreams,
             **_limit_values(limits),
         )
     except TypeError as e:

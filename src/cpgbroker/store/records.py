@@ -25,9 +25,12 @@ from cpgbroker.model.events import (
     DiskAlarm,
     DoOutput,
     Event,
+    Forward,
     MemberLeft,
     Recovered,
     Tick,
+    decode_forward,
+    encode_forward,
 )
 
 R_DATA = 1
@@ -41,6 +44,7 @@ R_MEMBERS = 8
 R_RECOVERED = 9
 R_DISK_ALARM = 10
 R_ADMIN = 11
+R_FORWARD = 12
 # Or'ed into the type byte: the cluster failed this event (it counts, its connection closes).
 FAILED = 0x80
 
@@ -98,6 +102,8 @@ def encode(ev: Event, failed: bool = False) -> bytes:
     if t is AdminCommand:
         a: AdminCommand = ev  # type: ignore[assignment]
         return _QQ.pack(R_ADMIN | flag, a.member, a.ticket) + _s(a.user) + _s(a.op) + a.args
+    if t is Forward:
+        return bytes([R_FORWARD | flag]) + encode_forward(ev)  # type: ignore[arg-type]
     raise InvariantError(f"cannot journal {ev!r}")
 
 
@@ -147,6 +153,8 @@ def decode(payload: bytes) -> tuple[Event, bool]:
         ev = Recovered()
     elif kind == R_DISK_ALARM:
         ev = DiskAlarm(_Q.unpack_from(payload)[1], bool(payload[_Q.size]))
+    elif kind == R_FORWARD:
+        ev = decode_forward(payload, 1)[0]
     elif kind == R_ADMIN:
         _, member, ticket = _QQ.unpack_from(payload)
         p = _QQ.size

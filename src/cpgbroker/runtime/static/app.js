@@ -17,7 +17,7 @@ const HISTORY = 150;
 // A sparkline spans at least this many samples (one minute): a new page's first samples do
 // not fill the width as if they were minutes of history.
 const SPAN_MIN = 30;
-// Members report how far they have applied the stream every this many events
+// Members report how far they have applied the stream at least every this many events
 // (cluster/progress.py, PROGRESS_EVERY): a member less than this behind is no news.
 const PROGRESS_EVERY = 1000;
 // A request that takes longer than this counts as the member not answering.
@@ -386,7 +386,7 @@ function behindCell(eventSeq, p) {
     td.append(badge(fmt(behind), "warn"));
   } else {
     td.append(fmt(behind));
-    td.title = `members report their progress every ${fmt(PROGRESS_EVERY)} events: less is normal`;
+    td.title = `members report their progress at least every ${fmt(PROGRESS_EVERY)} events`;
   }
   return td;
 }
@@ -436,11 +436,10 @@ function renderMembers(overview, perNode) {
   }
   $("members").tBodies[0].replaceChildren(...rows);
   $("members-note").textContent =
-    `As ${overview.node} sees the membership. Behind: how many events ${overview.node} has ` +
-    "applied beyond what the member last reported applying (members report every " +
-    `${fmt(PROGRESS_EVERY)} events, so less is normal). Digest: whether the member's digest ` +
-    "agreed with the others' at the last checkpoint. A member that leaves the membership " +
-    "(stopped, crashed or cut off) stays listed as gone.";
+    `As ${overview.node} sees the membership. Behind: the events it applied beyond what the ` +
+    `member last reported (members report at least every ${fmt(PROGRESS_EVERY)} events: ` +
+    "fewer is normal). Digest: whether the member's digest agreed with the others' at the last " +
+    "checkpoint. A member that leaves (stopped, crashed or cut off) stays listed as gone.";
 }
 
 function renderReplication(overview, c, nameOf) {

@@ -1,0 +1,210 @@
+"""Federation between clusters: upstreams, which local exchanges they feed, and what the
+members running the links report. Replicated state, as RabbitMQ's federation plugin keeps its
+upstreams as runtime parameters and picks exchanges by policy.
+
+Theory of operation
+-------------------
+An *upstream* (``PUT /api/parameters/federation-upstream/{vhost}/{name}``, or
+``[[federation.upstreams]]`` in the configuration of a new cluster) names another cluster (a
+list of AMQP URLs, tried in turn) and how to link to it. A policy on exchanges with
+``federation-upstream`` (one upstream's name) or ``federation-upstream-set`` (``"all"``) makes
+each exchange it matches *federated*: for every (exchange, upstream) pair there is a *link*.
+The links are a pure function of this state and the topology (:meth:`Federation.links`), so
+every member computes the same list in the same order; which member runs a link is decided
+from the same replicated membership (runtime/federation.py).
+
+A link's runner reports its state changes (connecting, running, error) through an ordered
+admin command, so every member shows every link's status alike; messages a link brings in
+arrive as :class:`~cpgbroker.model.events.Forward` events (model/admin.py applies them).
+Owns: the upstreams, by vhost and name, and the links' reported states.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+UPSTREAM = "federation-upstream"
+UPSTREAM_SET = "federation-upstream-set"
+ACK_MODES = ("on-confirm", "on-publish", "no-ack")
+# The header a federated message carries (RabbitMQ's): where it has been, newest last.
+RECEIVED_FROM = "x-received-from"
+# Where a cluster says its federation server id: server-properties to its clients, and
+# client-properties of the links it opens to others.
+SERVER_ID_PROPERTY = "cpgbroker_server_id"
+
+
+@attrs.frozen
+class Upstream:
+    vhost: str
+    name: str
+    uris: tuple[str, ...]
+    # The upstream exchange's name ("": the same as the federated exchange's).
+    exchange: str = ""
+    # How many clusters a message may cross (RabbitMQ's max-hops): 1 forwards only what was
+    # published at the upstream itself.
+    max_hops: int = 1
+    # on-confirm: acknowledged upstream once every member here has it (nothing lost, a
+    # message may come twice across a link's takeover); on-publish: acknowledged once sent
+    # on; no-ack: the upstream forgets it at once (fastest; a link failure loses what was on
+    # the way, the seed design's lossy link).
+    ack_mode: str = "on-confirm"
+    prefetch_count: int = 1000
+    reconnect_delay_s: int = 5
+    # The upstream queue's x-expires and x-message-ttl (ms; None: none): how long a link may
+    # be down before the upstream stops buffering for it.
+    expires: int | None = None
+    message_ttl: int | None = None
+
+    def value(self) -> dict[str, Any]:
+        """As RabbitMQ shows a federation-upstream parameter's value."""
+        out: dict[str, Any] = {
+            "uri": list(self.uris) if len(self.uris) != 1 else self.uris[0],
+            "max-hops": self.max_hops,
+            "ack-mode": self.ack_mode,
+            "prefetch-count": self.prefetch_count,
+            "reconnect-delay": self.reconnect_delay_s,
+        }
+        if self.exchange:
+            out["exchange"] = self.exchange
+        if self.expires is not None:
+            out["expires"] = self.expires
+        if self.message_ttl is not None:
+            out["message-ttl"] = self.message_ttl
+        return out
+
+
+def upstream_from_value(vhost: str, name: str, value: Any) -> Upstream | str:
+    """An upstream from RabbitMQ's parameter value, or what is wrong with it."""
+    if not isinstance(value, dict):
+        return "value must be a JSON object"
+    uri = value.get("uri")
+    uris = [uri] if isinstance(uri, str) else uri
+    if not isinstance(uris, list) or not uris or not all(isinstance(u, str) for u in uris):
+        return "uri must be a URI or a non-empty list of URIs"
+    for u in uris:
+        if not u.startswith(("amqp://", "amqps://")):
+            return f"{u!r} is not an amqp:// or amqps:// URI"
+
+    def count(key: str, default: int | None, minimum: int) -> int | None:
+        v = value.get(key, default)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise ValueError(f"{key} must be an integer of at least {minimum}")
+        return v
+
+    try:
+        max_hops = count("max-hops", 1, 1)
+        prefetch = count("prefetch-count", 1000, 1)
+        delay = count("reconnect-delay", 5, 0)
+        expires = count("expires", None, 1)
+        ttl = count("message-ttl", None, 0)
+    except ValueError as e:
+        return str(e)
+    ack_mode = value.get("ack-mode", "on-confirm")
+    if ack_mode not in ACK_MODES:
+        return f"ack-mode must be one of {', '.join(ACK_MODES)}"
+    exchange = value.get("exchange", "")
+    if not isinstance(exchange, str):
+        return "exchange must be a string"
+    assert max_hops is not None and prefetch is not None and delay is not None
+    return Upstream(
+        vhost,
+        name,
+        tuple(uris),
+        exchange,
+        max_hops,
+        str(ack_mode),
+        prefetch,
+        delay,
+        expires,
+        ttl,
+    )
+
+
+@attrs.frozen
+class Link:
+    """One federated exchange fed by one upstream."""
+
+    vhost: str
+    exchange: str
+    upstream: Upstream
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.vhost, self.exchange, self.upstream.name)
+
+    @property
+    def upstream_exchange(self) -> str:
+        return self.upstream.exchange or self.exchange
+
+
+class Federation:
+    __slots__ = ("status", "upstreams")
+
+    def __init__(self, seed: tuple[Upstream, ...] = ()) -> None:
+        # vhost -> name -> upstream, in the order they were first set.
+        self.upstreams: dict[str, dict[str, Upstream]] = {}
+        # (vhost, exchange, upstream) -> what the link's runner last reported.
+        self.status: dict[tuple[str, str, str], dict[str, Any]] = {}
+        for u in seed:
+            self.put(u)
+
+    def put(self, u: Upstream) -> bool:
+        ups = self.upstreams.setdefault(u.vhost, {})
+        new = u.name not in ups
+        ups[u.name] = u
+        return new
+
+    def delete(self, vhost: str, name: str) -> bool:
+        ups = self.upstreams.get(vhost)
+        if ups is None or ups.pop(name, None) is None:
+            return False
+        if not ups:
+            del self.upstreams[vhost]
+        for key in [k for k in self.status if k[0] == vhost and k[2] == name]:
+            del self.status[key]
+        return True
+
+    def forget_vhost(self, vhost: str) -> None:
+        self.upstreams.pop(vhost, None)
+        for key in [k for k in self.status if k[0] == vhost]:
+            del self.status[key]
+
+    def all(self) -> list[Upstream]:
+        return [u for ups in self.upstreams.values() for u in ups.values()]
+
+    def restore(self, upstreams: list[Upstream], status: list[Any]) -> None:
+        self.upstreams.clear()
+        for u in upstreams:
+            self.put(u)
+        self.status = {(s[0], s[1], s[2]): s[3] for s in status}
+
+    def links(self, vhosts: dict[str, Any], definition_of: Any) -> list[Link]:
+        """Every link, in vhost, exchange and upstream order. ``definition_of(ex)``: the
+        definition of the policy that applies to exchange ``ex`` (or {})."""
+        out: list[Link] = []
+        for vname, ups in self.upstreams.items():
+            vh = vhosts.get(vname)
+            if vh is None:
+                continue
+            for ex in vh.exchanges.values():
+                if ex.policy is None:
+                    continue
+                for u in self._upstreams_for(ups, definition_of(ex)):
+                    out.append(Link(vname, ex.name, u))
+        return out
+
+    @staticmethod
+    def _upstreams_for(ups: dict[str, Upstream], definition: dict[str, Any]) -> list[Upstream]:
+        one = definition.get(UPSTREAM)
+        if isinstance(one, str):
+            return [ups[one]] if one in ups else []
+        if definition.get(UPSTREAM_SET) == "all":
+            return list(ups.values())
+        return []
+
+    def report(self, key: tuple[str, str, str], state: dict[str, Any]) -> None:
+        self.status[key] = state

@@ -1,0 +1,405 @@
+"""Federation links: this member's share of the cluster's links to upstream clusters.
+
+Theory of operation
+-------------------
+Which links exist is replicated state (model/federation.py): every member computes the same
+list from the same upstreams, policies and exchanges. Each link is run by exactly one member,
+chosen from the same replicated membership: the ready members sorted by id, the one at the
+index the link's CRC-32 picks (:func:`owner`). Every member decides alike, so there is no
+election: when the membership changes (a member dies, one joins), every member recomputes,
+the new owner starts the link and the old one, if still there, stops it. A link follows the
+seed design's exchange federation agent (and RabbitMQ's federation plugin):
+
+1. it connects to the upstream cluster as an ordinary AMQP client (runtime/amqpclient.py),
+   trying its URLs in turn, and refuses to run when the upstream calls itself by this
+   cluster's server id (the upstream refuses it too, model/connection.py);
+2. it declares the upstream exchange (same type) and a queue there, ``federation: <exchange>
+   -> <server id>``, and binds the queue with the local exchange's bindings, *normalised*: one
+   binding per distinct routing key (and arguments), however many local queues share it;
+   it keeps them in step as local bindings come and go;
+3. it consumes that queue and hands what arrives to the cluster as ``Forward`` events (in
+   batches), each message's header extended with ``x-received-from`` (where it has been:
+   a message that was here already, or has crossed ``max-hops`` clusters, is not forwarded:
+   no loops between mutually federated clusters);
+4. it acknowledges upstream as the upstream's ``ack-mode`` says: ``on-confirm`` once the
+   cluster's answer says every member has the messages (and, with stores, wrote them): a
+   link that dies loses nothing, the upstream redelivers what was not acknowledged, and a
+   message may come twice across a takeover; ``on-publish`` once handed over; ``no-ack``
+   the upstream forgets at once (the seed's lossy link).
+
+Its state (starting, running, error and why; messages forwarded; the upstream queue's depth)
+is reported through an ordered admin command when it changes, so every member shows every
+link alike (``/api/federation-links``, ``cpgbroker status``).
+
+Owns: the links this member runs (one task each).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import trio
+from pamqp import commands
+from pamqp import header as pheader
+
+from cpgbroker.errors import CpgBrokerError
+from cpgbroker.model.broker import Broker
+from cpgbroker.model.events import Forward
+from cpgbroker.model.federation import RECEIVED_FROM, SERVER_ID_PROPERTY, Link
+from cpgbroker.model.permissions import TRUSTED
+from cpgbroker.runtime.admindesk import AdminDesk
+from cpgbroker.runtime.amqpclient import AmqpClient, AmqpClientError, Delivery
+
+log = logging.getLogger("cpgbroker.federation")
+
+# How often a member looks again at which links it should run, and a running link at the
+# local exchange's bindings (a change shows in the exchange's bind counter and size).
+RECHECK = 0.5
+# A Forward event carries at most this much (a CPG message may be 16 MiB, but large ones
+# stall the ring for everyone), and the link waits at most this long to fill one.
+BATCH_BYTES = 256 * 1024
+BATCH_WAIT = 0.002
+# A message larger than this is not forwarded: rejected upstream (dead-lettered there, if
+# the upstream queue says where) and counted.
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+# How long the cluster may take to settle a batch before the link counts the upstream
+# connection as stuck and starts over (the upstream then redelivers it).
+SETTLE_TIMEOUT = 60.0
+# How often a running link refreshes its reported counters.
+REPORT_EVERY = 5.0
+
+
+def owner(link: Link, ready: list[int]) -> int | None:
+    """The member that runs ``link``: every member computes the same from the same ready
+    members (CRC-32: the same on every member, unlike ``hash``)."""
+    if not ready:
+        return None
+    members = sorted(ready)
+    key = f"{link.vhost}\0{link.exchange}\0{link.upstream.name}".encode()
+    return members[zlib.crc32(key) % len(members)]
+
+
+def queue_name(link: Link, server_id: str) -> str:
+    """The upstream queue of ``link``: one per (exchange, downstream cluster, upstream), in
+    the characters any AMQP client library accepts in a name (pamqp's are fewer than
+    RabbitMQ's: no '>', no parentheses), so that the name means the same everywhere."""
+    name = f"federation: {link.upstream_exchange} to {server_id} from {link.upstream.name}"
+    return re.sub(r"[^a-zA-Z0-9\-_.:@#,/+ ]", "_", name)
+
+
+def redacted(uri: str) -> str:
+    """A URI without its password, for status and logs."""
+    scheme, sep, rest = uri.partition("://")
+    creds, at, host = rest.rpartition("@")
+    if not at:
+        return uri
+    user = creds.split(":", 1)[0]
+    return f"{scheme}{sep}{user}@{host}"
+
+
+def wanted_bindings(b: Broker, link: Link) -> dict[tuple[str, str], dict[str, Any]]:
+    """The local exchange's bindings, normalised: one per distinct routing key and
+    arguments (``repr`` of the arguments makes the key: equal tables give equal reprs)."""
+    vh = b.vhosts.get(link.vhost)
+    ex = None if vh is None else vh.exchanges.get(link.exchange)
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    if ex is None:
+        return out
+    for bd in ex.bindings:
+        key = "" if ex.type == "fanout" else bd.key
+        args = dict(bd.args) if ex.type == "headers" else {}
+        out.setdefault((key, repr(sorted(args.items()))), args)
+    return out
+
+
+class LinkState:
+    """What a running link knows of itself (reported, and shown in this member's status)."""
+
+    def __init__(self) -> None:
+        self.status = "starting"
+        self.uri = ""
+        self.error = ""
+        self.forwarded = 0
+        self.dropped_loops = 0
+        self.too_large = 0
+        self.upstream_queue_messages: int | None = None
+
+    def as_dict(self, member: int) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "status": self.status,
+            "member": member,
+            "uri": self.uri,
+            "forwarded": self.forwarded,
+        }
+        if self.error:
+            out["error"] = self.error
+        if self.upstream_queue_messages is not None:
+            out["upstream_queue_messages"] = self.upstream_queue_messages
+        if self.dropped_loops:
+            out["dropped_loops"] = self.dropped_loops
+        if self.too_large:
+            out["too_large"] = self.too_large
+        return out
+
+
+class FederationLinks:
+    def __init__(
+        self,
+        member: int,
+        server_id: str,
+        name: str,
+        desk: AdminDesk,
+        replica: Callable[[], Broker],
+        ready: Callable[[], list[int]],
+        serving: Callable[[], bool],
+    ) -> None:
+        self.member = member
+        # [federation] server_id ("" for none: then no duplicate check), and this cluster's
+        # name in what its links make upstream (the server id, else its CPG group).
+        self.server_id = server_id
+        self.name = name
+        self._desk = desk
+        self._replica = replica
+        self._ready = ready
+        self._serving = serving
+        # Links this member runs: key -> (cancel scope, state).
+        self.running: dict[tuple[str, str, str], tuple[trio.CancelScope, LinkState]] = {}
+
+    def status(self) -> list[dict[str, Any]]:
+        return [
+            {"vhost": k[0], "exchange": k[1], "upstream": k[2], **st.as_dict(self.member)}
+            for k, (_, st) in self.running.items()
+        ]
+
+    async def run(self) -> None:
+        """Start and stop this member's links as the replicated state says, for ever."""
+        async with trio.open_nursery() as nursery:
+            while True:
+                self._reconcile(nursery)
+                await trio.sleep(RECHECK)
+
+    def _reconcile(self, nursery: trio.Nursery) -> None:
+        mine: dict[tuple[str, str, str], Link] = {}
+        if self._serving():
+            b = self._replica()
+            ready = self._ready()
+            for link in b.federation.links(b.vhosts, b.policies.definition_of):
+                if owner(link, ready) == self.member:
+                    mine[link.key] = link
+        for key in [k for k in self.running if k not in mine]:
+            scope, _ = self.running.pop(key)
+            log.info("federation link stops here link=%s", "/".join(key))
+            scope.cancel()
+        for key, link in mine.items():
+            if key not in self.running:
+                scope = trio.CancelScope()
+                state = LinkState()
+                self.running[key] = (scope, state)
+                log.info("federation link runs here link=%s", "/".join(key))
+                nursery.start_soon(self._run_link, link, scope, state)
+
+    async def _report(self, link: Link, state: LinkState) -> None:
+        try:
+            await self._desk.request(
+                TRUSTED,
+                "federation_status",
+                {
+                    "vhost": link.vhost,
+                    "exchange": link.exchange,
+                    "upstream": link.upstream.name,
+                    "state": state.as_dict(self.member),
+                },
+                SETTLE_TIMEOUT,
+            )
+        except trio.TooSlowError:
+            log.warning("federation link status not applied in time link=%s", link.key)
+
+    async def _run_link(self, link: Link, scope: trio.CancelScope, state: LinkState) -> None:
+        with scope:
+            uris = link.upstream.uris
+            attempt = 0
+            while True:
+                uri = uris[attempt % len(uris)]
+                attempt += 1
+                state.uri = redacted(uri)
+                try:
+                    await self._serve_link(link, uri, state)
+                except (AmqpClientError, OSError, trio.TooSlowError, LinkRefused) as e:
+                    state.status = "error"
+                    state.error = f"{type(e).__name__}: {e}"[:300]
+                    level = logging.ERROR if isinstance(e, LinkRefused) else logging.WARNING
+                    log.log(
+                        level,
+                        "federation link error link=%s uri=%s error=%s",
+                        "/".join(link.key),
+                        state.uri,
+                        state.error,
+                    )
+                    await self._report(link, state)
+                await trio.sleep(link.upstream.reconnect_delay_s if attempt % len(uris) == 0 else 0)
+
+    async def _serve_link(self, link: Link, uri: str, state: LinkState) -> None:
+        b = self._replica()
+        vh = b.vhosts.get(link.vhost)
+        ex = None if vh is None else vh.exchanges.get(link.exchange)
+        if ex is None:
+            raise LinkRefused(f"no local exchange '{link.exchange}'")
+        ex_type = ex.type
+        if link.upstream.max_hops > 1 and not self.server_id:
+            # Past one hop, loops are caught by name: this cluster must have one.
+            raise LinkRefused("max-hops above 1 needs [federation] server_id on this cluster")
+        our_id = self.name
+        client = await AmqpClient.connect(
+            uri,
+            connection_name=f"Federation link (upstream: {link.upstream.name}, "
+            f"exchange: {link.exchange})",
+            client_properties={SERVER_ID_PROPERTY: self.server_id} if self.server_id else None,
+        )
+        async with client:
+            theirs = str(client.server_properties.get(SERVER_ID_PROPERTY, ""))
+            if self.server_id and theirs == self.server_id:
+                raise LinkRefused(
+                    f"duplicate server id '{theirs}': the upstream calls itself what this "
+                    "cluster is called; fix [federation] server_id on one of them"
+                )
+            upstream_name = theirs or str(client.server_properties.get("cluster_name", ""))
+            ch = await client.channel()
+            up = link.upstream
+            await ch.exchange_declare(link.upstream_exchange, ex_type, durable=True)
+            args: dict[str, Any] = {}
+            if up.expires is not None:
+                args["x-expires"] = up.expires
+            if up.message_ttl is not None:
+                args["x-message-ttl"] = up.message_ttl
+            qname = queue_name(link, our_id)
+            _, depth, _ = await ch.queue_declare(
+                qname, durable=up.ack_mode != "no-ack", arguments=args or None
+            )
+            state.upstream_queue_messages = depth
+            bound: dict[tuple[str, str], dict[str, Any]] = {}
+            await self._sync_bindings(ch, link, qname, bound)
+            no_ack = up.ack_mode == "no-ack"
+            if not no_ack:
+                await ch.basic_qos(up.prefetch_count)
+            deliveries = await ch.consume(qname, no_ack=no_ack)
+            state.status, state.error = "running", ""
+            log.info("federation link running link=%s uri=%s", "/".join(link.key), state.uri)
+            await self._report(link, state)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._keep_bindings, ch, link, qname, bound)
+                nursery.start_soon(self._keep_reporting, ch, link, qname, state)
+                await self._forward(link, ch, deliveries, upstream_name, uri, state, no_ack)
+                nursery.cancel_scope.cancel()
+
+    async def _sync_bindings(
+        self, ch: Any, link: Link, qname: str, bound: dict[tuple[str, str], dict[str, Any]]
+    ) -> None:
+        want = wanted_bindings(self._replica(), link)
+        for key, args in want.items():
+            if key not in bound:
+                await ch.queue_bind(qname, link.upstream_exchange, key[0], args or None)
+                bound[key] = args
+        for key in [k for k in bound if k not in want]:
+            await ch.queue_unbind(qname, link.upstream_exchange, key[0], bound.pop(key) or None)
+
+    async def _keep_bindings(
+        self, ch: Any, link: Link, qname: str, bound: dict[tuple[str, str], dict[str, Any]]
+    ) -> None:
+        seen: tuple[int, int] | None = None
+        while True:
+            await trio.sleep(RECHECK)
+            b = self._replica()
+            vh = b.vhosts.get(link.vhost)
+            ex = None if vh is None else vh.exchanges.get(link.exchange)
+            mark = (-1, -1) if ex is None else (ex.bind_seq, len(ex.bindings))
+            if mark != seen:
+                seen = mark
+                await self._sync_bindings(ch, link, qname, bound)
+
+    async def _keep_reporting(self, ch: Any, link: Link, qname: str, state: LinkState) -> None:
+        reported = state.forwarded
+        while True:
+            await trio.sleep(REPORT_EVERY)
+            _, depth, _ = await ch.queue_declare(qname, passive=True)
+            changed = depth != state.upstream_queue_messages or state.forwarded != reported
+            state.upstream_queue_messages = depth
+            if changed:
+                reported = state.forwarded
+                await self._report(link, state)
+
+    async def _forward(
+        self,
+        link: Link,
+        ch: Any,
+        deliveries: Any,
+        upstream_name: str,
+        uri: str,
+        state: LinkState,
+        no_ack: bool,
+    ) -> None:
+        our_id = self.name
+        hop = {
+            "uri": redacted(uri),
+            "exchange": link.upstream_exchange,
+            "cluster-name": upstream_name,
+        }
+        max_hops = link.upstream.max_hops
+        on_confirm = link.upstream.ack_mode == "on-confirm"
+        while True:
+            batch: list[Delivery] = [await deliveries.receive()]
+            size = len(batch[0].body)
+            with trio.move_on_after(BATCH_WAIT):
+                while size < BATCH_BYTES:
+                    d = await deliveries.receive()
+                    batch.append(d)
+                    size += len(d.body)
+            messages: list[tuple[str, bytes, bytes]] = []
+            for d in batch:
+                props = d.properties or commands.Basic.Properties()
+                headers = dict(props.headers or {})
+                seen = headers.get(RECEIVED_FROM)
+                seen = list(seen) if isinstance(seen, list) else []
+                names = [x.get("cluster-name") for x in seen if isinstance(x, dict)]
+                if our_id in names or len(seen) >= max_hops:
+                    # Been here, or crossed as many clusters as it may: not forwarded.
+                    state.dropped_loops += 1
+                    continue
+                if len(d.body) > MAX_MESSAGE_BYTES:
+                    state.too_large += 1
+                    if not no_ack:
+                        await ch.nack(d.delivery_tag, requeue=False)
+                    continue
+                headers[RECEIVED_FROM] = [*seen, {**hop, "redelivered": d.redelivered}]
+                props.headers = headers
+                header = bytes(pheader.ContentHeader(0, len(d.body), props).marshal())
+                messages.append((d.routing_key, header, d.body))
+            acked = no_ack
+            if messages:
+                if not on_confirm and not acked:
+                    await ch.ack(batch[-1].delivery_tag, multiple=True)
+                    acked = True
+                status, _ = await self._desk.submit(
+                    functools.partial(
+                        Forward,
+                        self.member,
+                        vhost=link.vhost,
+                        exchange=link.exchange,
+                        messages=tuple(messages),
+                    ),
+                    SETTLE_TIMEOUT,
+                )
+                if status != 200:
+                    raise LinkRefused(f"the local exchange is gone ({status})")
+                state.forwarded += len(messages)
+            if not acked:
+                await ch.ack(batch[-1].delivery_tag, multiple=True)
+
+
+class LinkRefused(CpgBrokerError):
+    """A link that cannot run as configured (a duplicate server id, no local exchange):
+    reported as the link's error, and tried again after the reconnect delay."""

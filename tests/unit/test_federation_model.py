@@ -1,0 +1,201 @@
+"""Federation's replicated side (model/federation.py, model/admin.py): upstreams as runtime
+parameters, links picked by policy, links' reported states, forwarded messages, a peer with
+this cluster's own server id refused; all through snapshots, the wire and the journal."""
+
+from __future__ import annotations
+
+import pytest
+from pamqp import commands
+from pamqp import header as pheader
+from test_admin_model import Ops
+
+from cpgbroker.cluster import codec
+from cpgbroker.model import snapshot
+from cpgbroker.model.broker import Broker
+from cpgbroker.model.config import BrokerConfig
+from cpgbroker.model.events import AdminReply, Forward
+from cpgbroker.store import records
+from modelclient import Harness
+
+UP = {"uri": ["amqp://u:p@10.0.0.1:5672/", "amqp://u:p@10.0.0.2:5672/"], "max-hops": 2}
+
+
+def _header(size: int, **props: object) -> bytes:
+    return bytes(pheader.ContentHeader(0, size, commands.Basic.Properties(**props)).marshal())
+
+
+def _links(b: Broker) -> list[tuple[str, str, str]]:
+    return [link.key for link in b.federation.links(b.vhosts, b.policies.definition_of)]
+
+
+def test_an_upstream_and_a_policy_make_a_link_per_federated_exchange() -> None:
+    h = Harness()
+    ops = Ops(h)
+    assert ops(
+        "put_parameter", component="federation-upstream", vhost="/", name="central", value=UP
+    ) == (201, None)
+    ops("put_exchange", vhost="/", name="events", type="topic", durable=True)
+    ops("put_exchange", vhost="/", name="local.only", type="fanout")
+    assert _links(h.broker) == []
+    policy = {"federation-upstream-set": "all"}
+    assert (
+        ops(
+            "put_policy",
+            vhost="/",
+            name="fed",
+            pattern="^events$",
+            definition=policy,
+            **{"apply-to": "exchanges"},
+        )[0]
+        == 201
+    )
+    assert _links(h.broker) == [("/", "events", "central")]
+    # An exchange declared later under a matching name is federated too; a second upstream
+    # adds a link per exchange.
+    ops(
+        "put_parameter",
+        component="federation-upstream",
+        vhost="/",
+        name="edge",
+        value={"uri": "amqp://10.0.9.9/"},
+    )
+    assert _links(h.broker) == [("/", "events", "central"), ("/", "events", "edge")]
+    link = h.broker.federation.links(h.broker.vhosts, h.broker.policies.definition_of)[0]
+    assert link.upstream.uris == tuple(UP["uri"]) and link.upstream.max_hops == 2
+    assert (
+        ops("delete_parameter", component="federation-upstream", vhost="/", name="edge")[0] == 204
+    )
+    assert _links(h.broker) == [("/", "events", "central")]
+    assert ops("delete_policy", vhost="/", name="fed")[0] == 204
+    assert _links(h.broker) == []
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ({"uri": "http://x/"}, "is not an amqp:// or amqps:// URI"),
+        ({"uri": []}, "uri must be a URI or a non-empty list"),
+        ({"uri": "amqp://x/", "ack-mode": "maybe"}, "ack-mode must be one of"),
+        ({"uri": "amqp://x/", "max-hops": 0}, "max-hops must be an integer of at least 1"),
+        ("amqp://x/", "value must be a JSON object"),
+    ],
+)
+def test_a_bad_upstream_is_refused_and_changes_nothing(value: object, reason: str) -> None:
+    h = Harness()
+    before = snapshot.digest(h.broker)
+    status, body = Ops(h)(
+        "put_parameter", component="federation-upstream", vhost="/", name="x", value=value
+    )
+    assert status == 400 and reason in body["reason"]
+    assert h.broker.federation.all() == []
+    # Only the event count moved.
+    h2 = Harness()
+    Ops(h2)("put_parameter", component="federation-upstream", vhost="/", name="x", value=value)
+    assert snapshot.digest(h2.broker) == snapshot.digest(h.broker) != before
+
+
+def test_only_a_member_reports_a_links_state() -> None:
+    h = Harness()
+    ops = Ops(h)
+    state = {"status": "running", "member": 3, "uri": "amqp://10.0.0.1:5672/"}
+    assert ops("federation_status", vhost="/", exchange="e", upstream="u", state=state)[0] == 204
+    assert h.broker.federation.status[("/", "e", "u")] == state
+    status, _ = ops(
+        "federation_status",
+        as_user="guest",
+        vhost="/",
+        exchange="e",
+        upstream="u",
+        state={"status": "forged"},
+    )
+    assert status == 401 and h.broker.federation.status[("/", "e", "u")] == state
+
+
+def test_forwarded_messages_are_routed_in_order_and_answered() -> None:
+    h = Harness()
+    ops = Ops(h, member=2)
+    ops("put_exchange", vhost="/", name="events", type="topic")
+    ops("put_queue", vhost="/", name="sink")
+    ops(
+        "bind",
+        vhost="/",
+        source="events",
+        destination="sink",
+        destination_type="q",
+        routing_key="a.*",
+    )
+    good = _header(3, headers={"x-received-from": [{"cluster-name": "central"}]})
+    msgs = (
+        ("a.x", good, b"one"),
+        ("b.x", _header(3), b"two"),
+        ("a.y", b"\x00garbage", b"bad"),
+        ("a.z", _header(5), b"three"),
+    )
+    before = len(h.effects)
+    h.apply(Forward(2, 99, "/", "events", msgs))
+    (reply,) = [e for e in h.effects[before:] if isinstance(e, AdminReply)]
+    assert (reply.member, reply.ticket, reply.status, reply.body) == (2, 99, 200, {"routed": 2})
+    q = h.broker.vhosts["/"].queues["sink"]
+    assert [e.msg.body for e in q.messages] == [b"one", b"three"]
+    assert q.messages[0].msg.header == good  # the header as the link made it, byte for byte
+    before = len(h.effects)
+    h.apply(Forward(2, 100, "/", "nope", msgs))
+    (reply,) = [e for e in h.effects[before:] if isinstance(e, AdminReply)]
+    assert reply.status == 404
+
+
+def test_a_peer_with_our_server_id_is_refused_at_its_handshake() -> None:
+    h = Harness(Broker(BrokerConfig(server_id="central")))
+    c = h.connect(1)
+    c.send_raw(b"AMQP\x00\x00\x09\x01")
+    start = c.methods()[-1]
+    assert start.server_properties["cpgbroker_server_id"] == "central"
+    reply = c.rpc(
+        0,
+        commands.Connection.StartOk(
+            client_properties={"cpgbroker_server_id": "central"},
+            mechanism="PLAIN",
+            response="\0guest\0guest",
+        ),
+    )
+    assert isinstance(reply, commands.Connection.Close) and reply.reply_code == 530
+    assert "duplicate server id 'central'" in reply.reply_text
+    # Another id is let in as any client.
+    c2 = h.connect(2)
+    c2.send_raw(b"AMQP\x00\x00\x09\x01")
+    c2.methods()
+    tune = c2.rpc(
+        0,
+        commands.Connection.StartOk(
+            client_properties={"cpgbroker_server_id": "edge"},
+            mechanism="PLAIN",
+            response="\0guest\0guest",
+        ),
+    )
+    assert isinstance(tune, commands.Connection.Tune)
+
+
+def test_federation_state_survives_snapshots_the_wire_and_the_journal() -> None:
+    h = Harness()
+    ops = Ops(h)
+    ops("put_parameter", component="federation-upstream", vhost="/", name="central", value=UP)
+    ops(
+        "federation_status",
+        vhost="/",
+        exchange="e",
+        upstream="central",
+        state={"status": "error", "error": "connection refused"},
+    )
+    restored = snapshot.restore(snapshot.snapshot(h.broker))
+    assert snapshot.digest(restored) == snapshot.digest(h.broker)
+    assert restored.federation.all() == h.broker.federation.all()
+    assert restored.federation.status == h.broker.federation.status
+    # A state without federation snapshots as before it existed.
+    assert "federation" not in snapshot.snapshot(Broker())[0]
+    ev = Forward(7, 1, "/", "événements", (("k", _header(2), b"\x00\xff"), ("", b"", b"")))
+    assert codec.decode_batch(codec.HEADER + codec.encode(ev), 7) == [ev]
+    with pytest.raises(Exception, match="link"):
+        codec.decode_batch(codec.HEADER + codec.encode(ev), 8)
+    with pytest.raises(Exception, match="truncated"):
+        codec.decode_batch(codec.HEADER + codec.encode(ev)[:-3], 7)
+    assert records.decode(records.encode(ev)) == (ev, False)
