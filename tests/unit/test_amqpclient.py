@@ -22,8 +22,8 @@ from pamqp.header import ContentHeader
 
 import tlscerts
 from cpgbroker.errors import ConfigError
-from cpgbroker.runtime.amqpclient import (
-    AmqpClient,
+from cpgbroker.runtime.amqpclient import AmqpClient
+from cpgbroker.runtime.amqpproto import (
     AmqpClientError,
     AmqpUrl,
     CancelReceived,

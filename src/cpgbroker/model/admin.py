@@ -49,7 +49,7 @@ from cpgbroker.model.federation import UPSTREAM, Federation, upstream_from_value
 from cpgbroker.model.output import Output
 from cpgbroker.model.permissions import READ, TRUSTED, WRITE, Permissions, compile_pattern
 from cpgbroker.model.policies import Policies, escaped_term, validate
-from cpgbroker.model.topology import PREDECLARED, Topology
+from cpgbroker.model.topology import FAILOVER_EXCHANGE, PEER_EXCHANGE, PREDECLARED, Topology
 from cpgbroker.model.users import Users
 from cpgbroker.wire.fastpath import parse_content_header
 from cpgbroker.wire.framer import FrameReader
@@ -813,7 +813,15 @@ def validate_pattern(pattern: str) -> str:
 
 def _predeclared(item: dict[str, Any]) -> bool:
     name = item.get("name")
-    return name == "" or any(name == n for n, _ in PREDECLARED) or name == "amq.failover"
+    return (
+        name == ""
+        or any(name == n for n, _ in PREDECLARED)
+        or name
+        in (
+            FAILOVER_EXCHANGE,
+            PEER_EXCHANGE,
+        )
+    )
 
 
 def _label(item: dict[str, Any]) -> str:

@@ -120,6 +120,7 @@ class Broker:
             self.connections,
             self.permissions,
             self.policies,
+            peer_exchange=bool(cfg.server_id),
         )
         self.confirms = Confirms(self.out)
         self.flow = QueueFlow(cfg.queue_flow_messages, self.out, self.mark)

@@ -63,6 +63,10 @@ R = ReplyCode
 # Fanout exchange carrying the cluster's member list (cluster mode): a queue bound to it gets
 # the current list at once and again on every membership change.
 FAILOVER_EXCHANGE = "amq.failover"
+# Fanout exchange over which federation peers announce themselves (the seed design's
+# status exchange; runtime/federation.py publishes to an upstream's): made in every vhost of
+# a cluster that has a federation server id.
+PEER_EXCHANGE = "amq.peer"
 
 PREDECLARED = (
     ("amq.direct", "direct"),
@@ -86,7 +90,8 @@ class VHost:
     def client_exchanges(self) -> int:
         """Exchanges clients declared: all but the default one and the amq.* ones."""
         n = len(self.exchanges) - 1 - len(PREDECLARED)
-        return n - 1 if FAILOVER_EXCHANGE in self.exchanges else n
+        n -= FAILOVER_EXCHANGE in self.exchanges
+        return n - (PEER_EXCHANGE in self.exchanges)
 
 
 def _unwired(q: Queue, urls: tuple[str, ...]) -> None:
@@ -106,6 +111,7 @@ class Topology:
         "limits",
         "member_urls",
         "on_failover_bind",
+        "peer_exchange",
         "policies",
         "ttl_queues",
         "vhosts",
@@ -121,8 +127,11 @@ class Topology:
         connections: dict[int, Connection],
         permissions: Permissions,
         policies: Policies,
+        peer_exchange: bool = False,
     ) -> None:
         self.vhosts: dict[str, VHost] = {}
+        # Whether vhosts have amq.peer (a federation server id is configured).
+        self.peer_exchange = peer_exchange
         # Applied to each queue and exchange declared in a vhost that has any.
         self.policies = policies
         # Client URLs of the cluster's members (empty standalone), in the cluster's order.
@@ -155,6 +164,10 @@ class Topology:
         vh.exchanges[""] = Exchange("", name, "direct", True, False, False, {})
         for ex_name, ex_type in PREDECLARED:
             vh.exchanges[ex_name] = Exchange(ex_name, name, ex_type, True, False, False, {})
+        if self.peer_exchange:
+            vh.exchanges[PEER_EXCHANGE] = Exchange(
+                PEER_EXCHANGE, name, "fanout", True, False, False, {}
+            )
         self.vhosts[name] = vh
         return vh
 

@@ -29,7 +29,9 @@ seed design's exchange federation agent (and RabbitMQ's federation plugin):
 
 Its state (starting, running, error and why; messages forwarded; the upstream queue's depth)
 is reported through an ordered admin command when it changes, so every member shows every
-link alike (``/api/federation-links``, ``cpgbroker status``).
+link alike (``/api/federation-links``, ``cpgbroker status``). A running link also announces
+itself on the upstream's ``amq.peer`` fanout exchange (who, which link, its state), where the
+upstream's operators can watch their peers, as the seed design's status exchange.
 
 Owns: the links this member runs (one task each).
 """
@@ -37,6 +39,7 @@ Owns: the links this member runs (one task each).
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import re
 import zlib
@@ -52,8 +55,9 @@ from cpgbroker.model.broker import Broker
 from cpgbroker.model.events import Forward
 from cpgbroker.model.federation import RECEIVED_FROM, SERVER_ID_PROPERTY, Link
 from cpgbroker.model.permissions import TRUSTED
+from cpgbroker.model.topology import PEER_EXCHANGE
 from cpgbroker.runtime.admindesk import AdminDesk
-from cpgbroker.runtime.amqpclient import AmqpClient, AmqpClientError, Delivery
+from cpgbroker.runtime.amqpclient import AmqpClient, AmqpClientError, ChannelClosed, Delivery
 
 log = logging.getLogger("cpgbroker.federation")
 
@@ -70,8 +74,9 @@ MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 # How long the cluster may take to settle a batch before the link counts the upstream
 # connection as stuck and starts over (the upstream then redelivers it).
 SETTLE_TIMEOUT = 60.0
-# How often a running link refreshes its reported counters.
+# How often a running link refreshes its reported counters, and announces itself upstream.
 REPORT_EVERY = 5.0
+ANNOUNCE_EVERY = 30.0
 
 
 def owner(link: Link, ready: list[int]) -> int | None:
@@ -277,8 +282,12 @@ class FederationLinks:
             if up.message_ttl is not None:
                 args["x-message-ttl"] = up.message_ttl
             qname = queue_name(link, our_id)
+            # no-ack is the seed design's lossy link: its upstream queue lives only while the
+            # link is connected (auto-delete), so what is published upstream while the link is
+            # down is not kept for it. The others buffer it (durable) until the link is back.
+            lossy = up.ack_mode == "no-ack"
             _, depth, _ = await ch.queue_declare(
-                qname, durable=up.ack_mode != "no-ack", arguments=args or None
+                qname, durable=not lossy, auto_delete=lossy, arguments=args or None
             )
             state.upstream_queue_messages = depth
             bound: dict[tuple[str, str], dict[str, Any]] = {}
@@ -293,6 +302,7 @@ class FederationLinks:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._keep_bindings, ch, link, qname, bound)
                 nursery.start_soon(self._keep_reporting, ch, link, qname, state)
+                nursery.start_soon(self._announce, client, link, state)
                 await self._forward(link, ch, deliveries, upstream_name, uri, state, no_ack)
                 nursery.cancel_scope.cancel()
 
@@ -331,6 +341,35 @@ class FederationLinks:
             if changed:
                 reported = state.forwarded
                 await self._report(link, state)
+
+    async def _announce(self, client: AmqpClient, link: Link, state: LinkState) -> None:
+        """The seed design's status exchange: tell the upstream who is linked to it, on its
+        ``amq.peer`` fanout (a cpgbroker upstream with a server id has one; elsewhere there is
+        none, and nothing is announced)."""
+        ch = await client.channel()
+        try:
+            await ch.exchange_declare(PEER_EXCHANGE, "fanout", passive=True)
+        except ChannelClosed:
+            return
+        while True:
+            body = json.dumps(
+                {
+                    "server_id": self.server_id,
+                    "name": self.name,
+                    "member": self.member,
+                    "link": {"vhost": link.vhost, "exchange": link.exchange},
+                    "upstream": link.upstream.name,
+                    "status": state.status,
+                    "forwarded": state.forwarded,
+                }
+            ).encode()
+            props = commands.Basic.Properties(
+                content_type="application/json",
+                headers={SERVER_ID_PROPERTY: self.server_id or self.name},
+                app_id="cpgbroker-federation",
+            )
+            await ch.publish(PEER_EXCHANGE, "", body, props)
+            await trio.sleep(ANNOUNCE_EVERY)
 
     async def _forward(
         self,
