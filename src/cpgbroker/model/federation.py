@@ -47,8 +47,9 @@ class Upstream:
     max_hops: int = 1
     # on-confirm: acknowledged upstream once every member here has it (nothing lost, a
     # message may come twice across a link's takeover); on-publish: acknowledged once sent
-    # on; no-ack: the upstream forgets it at once (fastest; a link failure loses what was on
-    # the way, the seed design's lossy link).
+    # on; no-ack: the upstream forgets it at once and keeps nothing for a link that is down
+    # (fastest; a link failure loses what was on the way and what is published meanwhile:
+    # the seed design's lossy link).
     ack_mode: str = "on-confirm"
     prefetch_count: int = 1000
     reconnect_delay_s: int = 5

@@ -25,7 +25,12 @@ seed design's exchange federation agent (and RabbitMQ's federation plugin):
    cluster's answer says every member has the messages (and, with stores, wrote them): a
    link that dies loses nothing, the upstream redelivers what was not acknowledged, and a
    message may come twice across a takeover; ``on-publish`` once handed over; ``no-ack``
-   the upstream forgets at once (the seed's lossy link).
+   the upstream forgets at once, and its queue lives only while the link is connected, so
+   what is published upstream while the link is down is lost (the seed's lossy link).
+
+Whatever ends a link (a cut, the upstream member gone, a refusal, a bug of ours) is reported
+as its error and the link is tried again after its reconnect delay: a link never takes its
+member down.
 
 Its state (starting, running, error and why; messages forwarded; the upstream queue's depth)
 is reported through an ordered admin command when it changes, so every member shows every
@@ -42,6 +47,7 @@ import functools
 import json
 import logging
 import re
+import ssl
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -57,7 +63,14 @@ from cpgbroker.model.federation import RECEIVED_FROM, SERVER_ID_PROPERTY, Link
 from cpgbroker.model.permissions import TRUSTED
 from cpgbroker.model.topology import PEER_EXCHANGE
 from cpgbroker.runtime.admindesk import AdminDesk
-from cpgbroker.runtime.amqpclient import AmqpClient, AmqpClientError, ChannelClosed, Delivery
+from cpgbroker.runtime.amqpclient import (
+    AmqpClient,
+    AmqpClientError,
+    ChannelClosed,
+    ConnectionClosed,
+    Delivery,
+)
+from cpgbroker.runtime.tls import TlsConfig
 
 log = logging.getLogger("cpgbroker.federation")
 
@@ -77,6 +90,17 @@ SETTLE_TIMEOUT = 60.0
 # How often a running link refreshes its reported counters, and announces itself upstream.
 REPORT_EVERY = 5.0
 ANNOUNCE_EVERY = 30.0
+
+
+def client_context(tls: TlsConfig | None) -> ssl.SSLContext | None:
+    """The TLS context links use towards amqps:// upstreams: the ``[tls]`` CA file as the
+    trusted CAs and the member's own certificate as its client certificate (None without
+    ``[tls]``: the system's CAs, no client certificate)."""
+    if tls is None:
+        return None
+    context = ssl.create_default_context(cafile=tls.cacertfile or None)
+    context.load_cert_chain(tls.certfile, tls.keyfile or None)
+    return context
 
 
 def owner(link: Link, ready: list[int]) -> int | None:
@@ -162,6 +186,7 @@ class FederationLinks:
         replica: Callable[[], Broker],
         ready: Callable[[], list[int]],
         serving: Callable[[], bool],
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.member = member
         # [federation] server_id ("" for none: then no duplicate check), and this cluster's
@@ -172,6 +197,9 @@ class FederationLinks:
         self._replica = replica
         self._ready = ready
         self._serving = serving
+        # For amqps:// upstreams: the [tls] CA and this member's certificate (an upstream may
+        # log the link in by it: EXTERNAL); None: the system's CAs.
+        self._ssl_context = ssl_context
         # Links this member runs: key -> (cancel scope, state).
         self.running: dict[tuple[str, str, str], tuple[trio.CancelScope, LinkState]] = {}
 
@@ -234,16 +262,25 @@ class FederationLinks:
                 state.uri = redacted(uri)
                 try:
                     await self._serve_link(link, uri, state)
-                except (AmqpClientError, OSError, trio.TooSlowError, LinkRefused) as e:
+                except Exception as e:
+                    # Whatever ends a link (the upstream gone, a cut, a refusal, a bug of
+                    # ours), the member serves on: the link is retried after the delay. The
+                    # link's tasks run in a nursery, so its errors come grouped.
+                    cause = _first_leaf(e)
                     state.status = "error"
-                    state.error = f"{type(e).__name__}: {e}"[:300]
-                    level = logging.ERROR if isinstance(e, LinkRefused) else logging.WARNING
+                    state.error = f"{type(cause).__name__}: {cause}"[:300]
+                    refused = isinstance(cause, LinkRefused) or (
+                        isinstance(cause, ConnectionClosed)
+                        and "duplicate server id" in cause.reply_text
+                    )
+                    expected = isinstance(cause, _LINK_ERRORS)
                     log.log(
-                        level,
+                        logging.ERROR if refused or not expected else logging.WARNING,
                         "federation link error link=%s uri=%s error=%s",
                         "/".join(link.key),
                         state.uri,
                         state.error,
+                        exc_info=None if expected else cause,
                     )
                     await self._report(link, state)
                 await trio.sleep(link.upstream.reconnect_delay_s if attempt % len(uris) == 0 else 0)
@@ -261,6 +298,7 @@ class FederationLinks:
         our_id = self.name
         client = await AmqpClient.connect(
             uri,
+            ssl_context=self._ssl_context,
             connection_name=f"Federation link (upstream: {link.upstream.name}, "
             f"exchange: {link.exchange})",
             client_properties={SERVER_ID_PROPERTY: self.server_id} if self.server_id else None,
@@ -398,6 +436,9 @@ class FederationLinks:
                     batch.append(d)
                     size += len(d.body)
             messages: list[tuple[str, bytes, bytes]] = []
+            # The last delivery of the batch that is still ours to acknowledge (one rejected
+            # as too large is settled already: acknowledging it again is a channel error).
+            last_tag = 0
             for d in batch:
                 props = d.properties or commands.Basic.Properties()
                 headers = dict(props.headers or {})
@@ -407,6 +448,7 @@ class FederationLinks:
                 if our_id in names or len(seen) >= max_hops:
                     # Been here, or crossed as many clusters as it may: not forwarded.
                     state.dropped_loops += 1
+                    last_tag = d.delivery_tag
                     continue
                 if len(d.body) > MAX_MESSAGE_BYTES:
                     state.too_large += 1
@@ -417,10 +459,11 @@ class FederationLinks:
                 props.headers = headers
                 header = bytes(pheader.ContentHeader(0, len(d.body), props).marshal())
                 messages.append((d.routing_key, header, d.body))
-            acked = no_ack
+                last_tag = d.delivery_tag
+            acked = no_ack or not last_tag
             if messages:
                 if not on_confirm and not acked:
-                    await ch.ack(batch[-1].delivery_tag, multiple=True)
+                    await ch.ack(last_tag, multiple=True)
                     acked = True
                 status, _ = await self._desk.submit(
                     functools.partial(
@@ -436,9 +479,20 @@ class FederationLinks:
                     raise LinkRefused(f"the local exchange is gone ({status})")
                 state.forwarded += len(messages)
             if not acked:
-                await ch.ack(batch[-1].delivery_tag, multiple=True)
+                await ch.ack(last_tag, multiple=True)
 
 
 class LinkRefused(CpgBrokerError):
     """A link that cannot run as configured (a duplicate server id, no local exchange):
     reported as the link's error, and tried again after the reconnect delay."""
+
+
+# What ends a link in the ordinary course of things (logged without a traceback).
+_LINK_ERRORS = (AmqpClientError, OSError, trio.TooSlowError, LinkRefused)
+
+
+def _first_leaf(e: BaseException) -> BaseException:
+    """The first error inside (nested) exception groups: what a link's nursery raised."""
+    while isinstance(e, BaseExceptionGroup) and e.exceptions:
+        e = e.exceptions[0]
+    return e

@@ -88,7 +88,7 @@ from cpgbroker.runtime.confirms import ConfirmGate
 from cpgbroker.runtime.cpg_trio import TrioCpg
 from cpgbroker.runtime.errorchecks import ErrorChecks
 from cpgbroker.runtime.eventlog import EventLog
-from cpgbroker.runtime.federation import FederationLinks
+from cpgbroker.runtime.federation import FederationLinks, client_context
 from cpgbroker.runtime.multicast import Multicaster
 from cpgbroker.runtime.newcomer import Newcomer
 from cpgbroker.runtime.quorum_trio import TrioQuorum
@@ -217,6 +217,7 @@ class ClusterNode:
             lambda: self.broker,
             lambda: self.membership.ready_members,
             lambda: self.serving and self.stops.halted is None,
+            client_context(config.tls),
         )
         self.eventlog = EventLog(cluster.event_log, member, incarnation)
         self.checkpoints = Checkpointer(

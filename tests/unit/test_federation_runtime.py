@@ -1,0 +1,94 @@
+"""The pure parts of a member's federation links (runtime/federation.py): who runs a link,
+what the upstream queue is called and bound with, what status shows of a URI, and the TLS
+context a link uses towards an amqps upstream."""
+
+from __future__ import annotations
+
+import collections
+import ssl
+from pathlib import Path
+
+from test_admin_model import Ops
+
+import tlscerts
+from cpgbroker.model.federation import Link, Upstream
+from cpgbroker.runtime.federation import (
+    client_context,
+    owner,
+    queue_name,
+    redacted,
+    wanted_bindings,
+)
+from cpgbroker.runtime.tls import TlsConfig
+from modelclient import Harness
+
+
+def _link(exchange: str, upstream: str = "central") -> Link:
+    return Link("/", exchange, Upstream("/", upstream, ("amqp://h/",)))
+
+
+def test_every_member_picks_the_same_runner_and_links_spread() -> None:
+    links = [_link(f"ex{i}") for i in range(300)]
+    ready = [12, 7, 31]
+    picks = [owner(link, ready) for link in links]
+    # The same answer whatever order a member lists the ready members in.
+    assert picks == [owner(link, [31, 12, 7]) for link in links]
+    spread = collections.Counter(picks)
+    assert set(spread) == {7, 12, 31} and min(spread.values()) > 60
+    assert owner(links[0], []) is None
+    # A member leaving moves only the links it ran (and those the new count re-picks).
+    after = [owner(link, [7, 31]) for link in links]
+    assert all(a in (7, 31) for a in after)
+
+
+def test_upstream_queue_names_are_stable_and_any_client_may_declare_them() -> None:
+    name = queue_name(_link("orders.in"), "remote-eu")
+    assert name == "federation: orders.in to remote-eu from central"
+    odd = queue_name(_link("é(x)>y", upstream="c>1"), "r")
+    assert odd == "federation: __x__y to r from c_1"
+
+
+def test_status_never_shows_a_password() -> None:
+    assert redacted("amqp://fed:s3cret@10.0.0.1:5672/%2F") == "amqp://fed@10.0.0.1:5672/%2F"
+    assert redacted("amqps://10.0.0.1/") == "amqps://10.0.0.1/"
+
+
+def test_local_bindings_are_normalised_one_per_key() -> None:
+    h = Harness()
+    ops = Ops(h)
+    ops("put_exchange", vhost="/", name="t", type="topic")
+    ops("put_exchange", vhost="/", name="hx", type="headers")
+    for q in ("a", "b", "c"):
+        ops("put_queue", vhost="/", name=q)
+        ops("bind", vhost="/", source="t", destination=q, destination_type="q", routing_key="eu.#")
+    ops("bind", vhost="/", source="t", destination="a", destination_type="q", routing_key="us.*")
+    for q, fmt in (("a", "pdf"), ("b", "pdf"), ("c", "csv")):
+        ops(
+            "bind",
+            vhost="/",
+            source="hx",
+            destination=q,
+            destination_type="q",
+            routing_key="",
+            arguments={"format": fmt, "x-match": "all"},
+        )
+    topic = wanted_bindings(h.broker, _link("t"))
+    assert [k[0] for k in topic] == ["eu.#", "us.*"]
+    headers = wanted_bindings(h.broker, _link("hx"))
+    assert sorted(a["format"] for a in headers.values()) == ["csv", "pdf"]
+    assert wanted_bindings(h.broker, _link("gone")) == {}
+
+
+def test_amqps_links_trust_the_configured_ca_and_present_the_members_certificate(
+    tmp_path: Path,
+) -> None:
+    certs = tlscerts.make(tmp_path)
+    assert client_context(None) is None
+    context = client_context(
+        TlsConfig(certfile=certs.server.cert, keyfile=certs.server.key, cacertfile=certs.ca)
+    )
+    assert context is not None and context.verify_mode == ssl.CERT_REQUIRED
+    assert context.check_hostname
+    # The configured CA is what it trusts.
+    subjects = [dict(x[0] for x in c["subject"]) for c in context.get_ca_certs()]
+    assert any(s.get("organizationName") == tlscerts.ORG for s in subjects)
