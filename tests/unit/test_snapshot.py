@@ -15,6 +15,7 @@ import pytest
 from cpgbroker.errors import InvariantError
 from cpgbroker.model import snapshot as S
 from cpgbroker.model.admin import Admin
+from cpgbroker.model.adminops import ResourceOps
 from cpgbroker.model.broker import Broker, VHost
 from cpgbroker.model.channel import Channels
 from cpgbroker.model.config import Policy
@@ -89,6 +90,7 @@ COMPONENTS = (
     Users,
     Policies,
     Admin,
+    ResourceOps,
     Federation,
 )
 # Component attributes that are transient between events or replica-local statistics

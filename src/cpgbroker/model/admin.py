@@ -20,26 +20,32 @@ reach, on a *management connection*: a connection object that exists only for th
 (never in the broker's connections, never snapshotted), of the asking user in the named vhost,
 that emits nothing. So an HTTP declare gets the checks, limits, permissions and texts a client's
 declare gets, as in RabbitMQ (whose management plugin declares through an AMQP channel too), and
-its errors map to RabbitMQ's HTTP answers (:func:`amqp_answer`).
+its errors map to RabbitMQ's HTTP answers (``adminargs.amqp_answer``). Those ops live in
+``adminops.py`` (:class:`ResourceOps`), the argument checks and answers in ``adminargs.py``.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import hashlib
 import json
-import urllib.parse
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
-from pamqp import commands
-from pamqp import header as pheader
-
-from cpgbroker.errors import AMQPError, CpgBrokerError, ReplyCode
+from cpgbroker.errors import AMQPError, ReplyCode
 from cpgbroker.model import auth
-from cpgbroker.model import entities as E
+from cpgbroker.model.adminargs import (
+    AdminError,
+    Answer,
+    amqp_answer,
+    bad_request,
+    limit_arg,
+    name_arg,
+    not_found,
+    table_arg,
+    tags_arg,
+    text_arg,
+    validate_pattern,
+)
+from cpgbroker.model.adminops import ResourceOps
 from cpgbroker.model.config import Permission, Policy, User
 from cpgbroker.model.connection import Connections
 from cpgbroker.model.consumers import Consumers
@@ -47,135 +53,13 @@ from cpgbroker.model.delivery import Delivery
 from cpgbroker.model.events import AdminCommand, AdminReply, Forward
 from cpgbroker.model.federation import UPSTREAM, Federation, upstream_from_value
 from cpgbroker.model.output import Output
-from cpgbroker.model.permissions import READ, TRUSTED, WRITE, Permissions, compile_pattern
+from cpgbroker.model.permissions import TRUSTED, Permissions
 from cpgbroker.model.policies import Policies, escaped_term, validate
 from cpgbroker.model.topology import FAILOVER_EXCHANGE, PEER_EXCHANGE, PREDECLARED, Topology
 from cpgbroker.model.users import Users
 from cpgbroker.wire.fastpath import parse_content_header
-from cpgbroker.wire.framer import FrameReader
 
 R = ReplyCode
-Answer = tuple[int, Any]
-
-# RabbitMQ's reason for a connection closed through the management API (its default when the
-# request carries no X-Reason header).
-CLOSED_VIA_MANAGEMENT = "Closed via management plugin"
-GET_ACKMODES = (
-    "ack_requeue_true",
-    "ack_requeue_false",
-    "reject_requeue_true",
-    "reject_requeue_false",
-)
-# Names RabbitMQ refuses for users and vhosts would be refused by ours too; NUL is ours alone
-# to refuse (permissions.TRUSTED uses it).
-_BAD_NAME_CHARS = "\x00"
-
-
-class AdminError(CpgBrokerError):
-    """A request the model refuses: the HTTP status and RabbitMQ's body."""
-
-    def __init__(self, status: int, error: str, reason: str) -> None:
-        super().__init__(f"{status} {error}: {reason}")
-        self.status = status
-        self.body = {"error": error, "reason": reason}
-
-
-def bad_request(reason: str) -> AdminError:
-    return AdminError(400, "bad_request", reason)
-
-
-def not_found() -> AdminError:
-    return AdminError(404, "Object Not Found", "Not Found")
-
-
-def amqp_answer(e: AMQPError) -> Answer:
-    """What RabbitMQ's management API answers when the AMQP operation it made on a user's
-    behalf failed (``rabbit_mgmt_util:with_channel``): 404 for NOT_FOUND, 401 for
-    ACCESS_REFUSED, 400 otherwise, with the close's reply text."""
-    if e.code == R.NOT_FOUND:
-        return 404, {"error": "not_found", "reason": e.reply_text}
-    if e.code == R.ACCESS_REFUSED:
-        return 401, {"error": "not_authorised", "reason": "Access refused."}
-    return 400, {"error": "bad_request", "reason": e.reply_text}
-
-
-def properties_key(key: str, args: dict[str, Any]) -> str:
-    """A binding's ``properties_key`` (its id in ``/api/bindings/.../{props}``), as RabbitMQ
-    makes it: the routing key form-encoded ("~" for none), and when the binding has
-    arguments, "~" and a hash of them (ours is another hash than RabbitMQ's, stable for one
-    binding: clients take the key from a listing)."""
-    shown = urllib.parse.quote_plus(key, safe="") if key else ""
-    if not args:
-        return shown or "~"
-    digest = hashlib.sha256(repr(sorted(json_value(args).items())).encode()).digest()
-    return f"{shown}~{base64.urlsafe_b64encode(digest[:6]).decode()}"
-
-
-def json_value(value: Any) -> Any:
-    """A field-table value as RabbitMQ's JSON shows it (bytes as text, decimals as numbers)."""
-    if isinstance(value, dict):
-        return {str(k): json_value(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_value(v) for v in value]
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value).decode("utf-8", "replace")
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    try:
-        return float(value)  # Decimal
-    except (TypeError, ValueError):
-        return str(value)
-
-
-# ---------------------------------------------------------------------- argument checks
-
-
-def _str(args: dict[str, Any], key: str, default: str | None = None) -> str:
-    v = args.get(key, default)
-    if not isinstance(v, str):
-        raise bad_request(f"{key} must be a string")
-    return v
-
-
-def _name(args: dict[str, Any], key: str) -> str:
-    v = _str(args, key)
-    if any(c in v for c in _BAD_NAME_CHARS) or len(v.encode()) > 255:
-        raise bad_request(f"{key} is not a valid name")
-    return v
-
-
-def _bool(args: dict[str, Any], key: str, default: bool) -> bool:
-    v = args.get(key, default)
-    if isinstance(v, str) and v in ("true", "false"):
-        return v == "true"  # RabbitMQ's API takes both
-    if not isinstance(v, bool):
-        raise bad_request(f"{key} must be true or false")
-    return v
-
-
-def _int(args: dict[str, Any], key: str, default: int) -> int:
-    v = args.get(key, default)
-    if isinstance(v, str) and v.isdigit() and v.isascii():
-        v = int(v)
-    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 63:
-        raise bad_request(f"{key} must be a non-negative integer")
-    return v
-
-
-def _table(args: dict[str, Any], key: str) -> dict[str, Any]:
-    v = args.get(key) or {}
-    if not isinstance(v, dict):
-        raise bad_request(f"{key} must be a JSON object")
-    return v
-
-
-def _tags(v: Any) -> tuple[str, ...]:
-    """RabbitMQ takes tags as a list or as one comma-separated string."""
-    if isinstance(v, str):
-        return tuple(t.strip() for t in v.split(",") if t.strip())
-    if isinstance(v, list) and all(isinstance(t, str) for t in v):
-        return tuple(t.strip() for t in v if t.strip())
-    raise bad_request("tags must be a list of strings or a comma-separated string")
 
 
 class Admin:
@@ -207,9 +91,8 @@ class Admin:
         # is a confirm that waits for this member's progress report (``Output.confirmed``).
         # Not replicated.
         self.local_member = 0
-        # Whether the command being applied is this replica's operator's: only then is an
-        # answer that is output alone (the messages of a get) built at all.
-        self._answering = False
+        # Queues, exchanges, bindings, messages, connections: their own component.
+        self.resources = res = ResourceOps(permissions, topology, conns, delivery, consumers)
         self._ops: dict[str, Callable[[dict[str, Any], str], Answer]] = {
             "put_user": self.put_user,
             "delete_user": self.delete_user,
@@ -220,16 +103,16 @@ class Admin:
             "delete_permissions": self.delete_permissions,
             "put_policy": self.put_policy,
             "delete_policy": self.delete_policy,
-            "put_queue": self.put_queue,
-            "delete_queue": self.delete_queue,
-            "purge_queue": self.purge_queue,
-            "get": self.get,
-            "put_exchange": self.put_exchange,
-            "delete_exchange": self.delete_exchange,
-            "bind": self.bind,
-            "unbind": self.unbind,
-            "publish": self.publish,
-            "close_connection": self.close_connection,
+            "put_queue": res.put_queue,
+            "delete_queue": res.delete_queue,
+            "purge_queue": res.purge_queue,
+            "get": res.get,
+            "put_exchange": res.put_exchange,
+            "delete_exchange": res.delete_exchange,
+            "bind": res.bind,
+            "unbind": res.unbind,
+            "publish": res.publish,
+            "close_connection": res.close_connection,
             "import_definitions": self.import_definitions,
             "put_parameter": self.put_parameter,
             "delete_parameter": self.delete_parameter,
@@ -237,7 +120,7 @@ class Admin:
         }
 
     def apply(self, e: AdminCommand) -> None:
-        self._answering = e.member == self.local_member
+        self.resources.answering = e.member == self.local_member
         try:
             args = json.loads(e.args)
             if not isinstance(args, dict):
@@ -259,35 +142,35 @@ class Admin:
     # ------------------------------------------------------------------ users
 
     def put_user(self, args: dict[str, Any], who: str) -> Answer:
-        name = _name(args, "name")
+        name = name_arg(args, "name")
         if not name:
             raise bad_request("user name must not be empty")
         if "tags" not in args:
             raise bad_request("tags_not_present")
-        algorithm = _str(args, "hashing_algorithm", auth.DEFAULT_ALGORITHM)
-        password_hash = _str(args, "password_hash", "")
+        algorithm = text_arg(args, "hashing_algorithm", auth.DEFAULT_ALGORITHM)
+        password_hash = text_arg(args, "password_hash", "")
         if password_hash and not auth.valid_hash(password_hash, algorithm):
             raise AdminError(400, "bad_request", f"not_base64: {password_hash}"[:200])
-        limits = _table(args, "limits")
+        limits = table_arg(args, "limits")
         old = self._users.by_name.get(name)
         user = User(
             name,
             "",
             vhosts=(),
-            tags=_tags(args.get("tags", "")),
+            tags=tags_arg(args.get("tags", "")),
             password_hash=password_hash,
             hashing_algorithm=algorithm if password_hash else auth.DEFAULT_ALGORITHM,
             # An update keeps what the user may do where (RabbitMQ's put_user does), and where
             # it may log in from (RabbitMQ's loopback_users is configuration, not the user).
             permissions=() if old is None else old.grants(),
             loopback_only=False if old is None else old.loopback_only,
-            max_connections=_limit(limits, "max-connections"),
-            max_channels=_limit(limits, "max-channels"),
+            max_connections=limit_arg(limits, "max-connections"),
+            max_channels=limit_arg(limits, "max-channels"),
         )
         return (201 if self._users.put(user) else 204), None
 
     def delete_user(self, args: dict[str, Any], who: str) -> Answer:
-        if not self._users.delete(_str(args, "name")):
+        if not self._users.delete(text_arg(args, "name")):
             raise not_found()
         return 204, None
 
@@ -305,7 +188,7 @@ class Admin:
     # ------------------------------------------------------------------ vhosts
 
     def put_vhost(self, args: dict[str, Any], who: str) -> Answer:
-        name = _name(args, "name")
+        name = name_arg(args, "name")
         if not name:
             raise bad_request("vhost name must not be empty")
         if name in self._topology.vhosts:
@@ -317,7 +200,7 @@ class Admin:
         return 201, None
 
     def delete_vhost(self, args: dict[str, Any], who: str) -> Answer:
-        name = _str(args, "name")
+        name = text_arg(args, "name")
         topology = self._topology
         vh = topology.vhosts.get(name)
         if vh is None:
@@ -337,7 +220,7 @@ class Admin:
     # ------------------------------------------------------------------ permissions
 
     def _user_and_vhost(self, args: dict[str, Any]) -> tuple[str, str]:
-        user, vhost = _str(args, "user"), _str(args, "vhost")
+        user, vhost = text_arg(args, "user"), text_arg(args, "vhost")
         if vhost not in self._topology.vhosts or user not in self._users.by_name:
             raise bad_request("vhost_or_user_not_found")
         return user, vhost
@@ -347,7 +230,9 @@ class Admin:
         if missing:
             raise bad_request("[" + ",".join(f"{{key_missing,{k}}}" for k in missing) + "]")
         user, vhost = self._user_and_vhost(args)
-        perm = Permission(vhost, _str(args, "configure"), _str(args, "write"), _str(args, "read"))
+        perm = Permission(
+            vhost, text_arg(args, "configure"), text_arg(args, "write"), text_arg(args, "read")
+        )
         for field in ("configure", "write", "read"):
             problem = validate_pattern(getattr(perm, field))
             if problem:
@@ -365,7 +250,7 @@ class Admin:
     # ------------------------------------------------------------------ policies
 
     def put_policy(self, args: dict[str, Any], who: str) -> Answer:
-        vhost = _str(args, "vhost")
+        vhost = text_arg(args, "vhost")
         if vhost not in self._topology.vhosts:
             raise AdminError(404, "not_found", "vhost_not_found")
         missing = [k for k in ("pattern", "definition") if k not in args]
@@ -382,9 +267,9 @@ class Admin:
             )
         p = Policy(
             vhost,
-            _name(args, "name"),
-            _str(args, "pattern"),
-            _str(args, "apply-to", "all"),
+            name_arg(args, "name"),
+            text_arg(args, "pattern"),
+            text_arg(args, "apply-to", "all"),
             definition,
             priority,
         )
@@ -396,8 +281,8 @@ class Admin:
         return (201 if new else 204), None
 
     def delete_policy(self, args: dict[str, Any], who: str) -> Answer:
-        vhost = _str(args, "vhost")
-        if not self._policies.delete(vhost, _str(args, "name")):
+        vhost = text_arg(args, "vhost")
+        if not self._policies.delete(vhost, text_arg(args, "name")):
             raise not_found()
         self._reapply(vhost)
         return 204, None
@@ -419,262 +304,16 @@ class Admin:
         for ex in vh.exchanges.values():
             policies.apply_to_exchange(ex)
 
-    # ------------------------------------------------------------------ queues, exchanges
-
-    def _session(self, who: str, vhost: str) -> tuple[E.Connection, E.Channel]:
-        """A management connection (module docstring) of ``who`` in ``vhost``."""
-        if vhost not in self._topology.vhosts:
-            raise AdminError(404, "not_found", "vhost_not_found")
-        conn = E.Connection(
-            id=-1, member=-1, peer="management", loopback=True, reader=FrameReader(4096)
-        )
-        conn.user = who
-        conn.vhost = vhost
-        conn.state = E.OPEN
-        conn.emit = False
-        return conn, E.Channel(1, conn)
-
-    def put_queue(self, args: dict[str, Any], who: str) -> Answer:
-        vhost, name = _str(args, "vhost"), _str(args, "name")
-        conn, ch = self._session(who, vhost)
-        new = name not in self._topology.vhosts[vhost].queues
-        self._topology.q_declare(
-            conn,
-            ch,
-            SimpleNamespace(
-                queue=name,
-                passive=False,
-                durable=_bool(args, "durable", False),
-                exclusive=False,
-                auto_delete=_bool(args, "auto_delete", False),
-                nowait=True,
-                arguments=_table(args, "arguments"),
-            ),
-        )
-        return (201 if new else 204), None
-
-    def delete_queue(self, args: dict[str, Any], who: str) -> Answer:
-        vhost, name = _str(args, "vhost"), _str(args, "name")
-        conn, ch = self._session(who, vhost)
-        if name not in self._topology.vhosts[vhost].queues:
-            raise not_found()
-        self._topology.q_delete(
-            conn,
-            ch,
-            SimpleNamespace(
-                queue=name,
-                if_unused=_bool(args, "if_unused", False),
-                if_empty=_bool(args, "if_empty", False),
-                nowait=True,
-            ),
-        )
-        return 204, None
-
-    def purge_queue(self, args: dict[str, Any], who: str) -> Answer:
-        vhost, name = _str(args, "vhost"), _str(args, "name")
-        conn, ch = self._session(who, vhost)
-        if name not in self._topology.vhosts[vhost].queues:
-            raise not_found()
-        self._topology.q_purge(conn, ch, SimpleNamespace(queue=name, nowait=True))
-        return 204, None
-
-    def put_exchange(self, args: dict[str, Any], who: str) -> Answer:
-        vhost, name = _str(args, "vhost"), _str(args, "name")
-        conn, ch = self._session(who, vhost)
-        new = name not in self._topology.vhosts[vhost].exchanges
-        self._topology.ex_declare(
-            conn,
-            ch,
-            SimpleNamespace(
-                exchange=name,
-                exchange_type=_str(args, "type", "direct"),
-                passive=False,
-                durable=_bool(args, "durable", False),
-                auto_delete=_bool(args, "auto_delete", False),
-                internal=_bool(args, "internal", False),
-                nowait=True,
-                arguments=_table(args, "arguments"),
-            ),
-        )
-        return (201 if new else 204), None
-
-    def delete_exchange(self, args: dict[str, Any], who: str) -> Answer:
-        vhost, name = _str(args, "vhost"), _str(args, "name")
-        conn, ch = self._session(who, vhost)
-        if name not in self._topology.vhosts[vhost].exchanges:
-            raise not_found()
-        self._topology.ex_delete(
-            conn,
-            ch,
-            SimpleNamespace(exchange=name, if_unused=_bool(args, "if_unused", False), nowait=True),
-        )
-        return 204, None
-
-    # ------------------------------------------------------------------ bindings
-
-    def _binding_ends(self, args: dict[str, Any], who: str) -> tuple[E.Connection, E.Channel, str]:
-        vhost = _str(args, "vhost")
-        conn, ch = self._session(who, vhost)
-        vh = self._topology.vhosts[vhost]
-        kind = _str(args, "destination_type")
-        if kind not in ("q", "e"):
-            raise bad_request("destination_type must be q or e")
-        source, dest = _str(args, "source"), _str(args, "destination")
-        # RabbitMQ answers 404 for a binding whose ends do not exist, before anything else.
-        if source not in vh.exchanges:
-            raise AdminError(404, "not_found", f"no exchange '{source}' in vhost '{vhost}'")
-        if dest not in (vh.queues if kind == "q" else vh.exchanges):
-            what = "queue" if kind == "q" else "exchange"
-            raise AdminError(404, "not_found", f"no {what} '{dest}' in vhost '{vhost}'")
-        return conn, ch, kind
-
-    def bind(self, args: dict[str, Any], who: str) -> Answer:
-        conn, ch, kind = self._binding_ends(args, who)
-        key = _str(args, "routing_key", "")
-        arguments = _table(args, "arguments")
-        if kind == "q":
-            self._topology.q_bind(
-                conn,
-                ch,
-                SimpleNamespace(
-                    queue=args["destination"],
-                    exchange=args["source"],
-                    routing_key=key,
-                    arguments=arguments,
-                    nowait=True,
-                ),
-            )
-        else:
-            self._topology.ex_bind(
-                conn,
-                ch,
-                SimpleNamespace(
-                    destination=args["destination"],
-                    source=args["source"],
-                    routing_key=key,
-                    arguments=arguments,
-                    nowait=True,
-                ),
-            )
-        # The new binding's id, for the Location header RabbitMQ answers with.
-        return 201, {"properties_key": properties_key(key, arguments)}
-
-    def unbind(self, args: dict[str, Any], who: str) -> Answer:
-        conn, ch, kind = self._binding_ends(args, who)
-        vh = self._topology.vhosts[conn.vhost]
-        props = _str(args, "properties_key")
-        src = vh.exchanges[args["source"]]
-        dest: Any = (vh.queues if kind == "q" else vh.exchanges)[args["destination"]]
-        found = next(
-            (b for b in src.bindings if b.dest is dest and properties_key(b.key, b.args) == props),
-            None,
-        )
-        if found is None:
-            raise not_found()
-        m = SimpleNamespace(
-            routing_key=found.key, arguments=found.args, nowait=True, source=src.name
-        )
-        if kind == "q":
-            m.queue, m.exchange = dest.name, src.name
-            self._topology.q_unbind(conn, ch, m)
-        else:
-            m.destination = dest.name
-            self._topology.ex_unbind(conn, ch, m)
-        return 204, None
-
-    # ------------------------------------------------------------------ messages
-
-    def publish(self, args: dict[str, Any], who: str) -> Answer:
-        vhost, name = _str(args, "vhost"), _str(args, "name")
-        conn, _ = self._session(who, vhost)
-        vh = self._topology.vhosts[vhost]
-        ex = vh.exchanges.get(name)
-        if ex is None:
-            raise bad_request(f"404 NOT_FOUND - no exchange '{name}' in vhost '{vhost}'")
-        self._permissions.check(conn, WRITE, "exchange", name)
-        if ex.internal:
-            raise AMQPError(
-                R.ACCESS_REFUSED,
-                f"cannot publish to internal exchange '{name}' in vhost '{vhost}'",
-            )
-        missing = [k for k in ("routing_key", "payload", "payload_encoding") if k not in args]
-        if missing:
-            raise bad_request("[" + ",".join(f"{{key_missing,{k}}}" for k in missing) + "]")
-        payload = _str(args, "payload")
-        encoding = _str(args, "payload_encoding")
-        if encoding == "string":
-            body = payload.encode()
-        elif encoding == "base64":
-            try:
-                body = base64.b64decode(payload, validate=True)
-            except (binascii.Error, ValueError):
-                raise bad_request(f"not_base64: {payload}"[:200]) from None
-        else:
-            raise bad_request(f"unsupported_encoding: {encoding}"[:200])
-        header = _content_header(_table(args, "properties"), len(body))
-        routed = self._delivery.publish_admin(vh, ex, _str(args, "routing_key", ""), header, body)
-        return 200, {"routed": routed}
-
-    def get(self, args: dict[str, Any], who: str) -> Answer:
-        vhost, name = _str(args, "vhost"), _str(args, "name")
-        conn, ch = self._session(who, vhost)
-        ackmode = _str(args, "ackmode", "")
-        if not ackmode and "requeue" in args:
-            # RabbitMQ before 3.7 took requeue: true/false; clients still send it.
-            ackmode = "ack_requeue_true" if _bool(args, "requeue", True) else "ack_requeue_false"
-        if ackmode not in GET_ACKMODES:
-            raise bad_request(f"ackmode must be one of {', '.join(GET_ACKMODES)}")
-        encoding = _str(args, "encoding", "auto")
-        if encoding not in ("auto", "base64"):
-            raise bad_request("Unsupported encoding. Please use auto or base64.")
-        truncate = args.get("truncate")
-        limit = None if truncate in (None, "") else _int(args, "truncate", 0)
-        self._permissions.check(conn, READ, "queue", name)
-        q = self._topology.queue(conn, ch, name)
-        out: list[dict[str, Any]] = []
-        for e, left in self._consumers.admin_get(q, _int(args, "count", 1), ackmode):
-            if not self._answering:
-                continue  # the messages are output: only the asking member shows them
-            body = e.msg.body if limit is None else e.msg.body[:limit]
-            if encoding == "auto":
-                try:
-                    payload, kind = body.decode(), "string"
-                except UnicodeDecodeError:
-                    payload, kind = base64.b64encode(body).decode(), "base64"
-            else:
-                payload, kind = base64.b64encode(body).decode(), "base64"
-            out.append(
-                {
-                    "payload_bytes": len(e.msg.body),
-                    "redelivered": e.redelivered,
-                    "exchange": e.msg.exchange,
-                    "routing_key": e.msg.routing_key,
-                    "message_count": left,
-                    # RabbitMQ shows no properties as [] (an empty Erlang proplist).
-                    "properties": _properties_json(e.msg.header) or [],
-                    "payload": payload,
-                    "payload_encoding": kind,
-                }
-            )
-        return 200, out
-
-    # ------------------------------------------------------------------ connections
-
-    def close_connection(self, args: dict[str, Any], who: str) -> Answer:
-        conn_id = _int(args, "conn", 0)
-        conn = self._conns.connections.get(conn_id)
-        if conn is None:
-            raise not_found()
-        reason = _str(args, "reason", "") or CLOSED_VIA_MANAGEMENT
-        self._conns.close(conn.id, R.CONNECTION_FORCED, reason)
-        return 204, None
-
     # ------------------------------------------------------------------ federation
 
     def put_parameter(self, args: dict[str, Any], who: str) -> Answer:
         """A runtime parameter: only ``federation-upstream`` is ours (RabbitMQ's shape:
         ``{"value": {...}}``)."""
-        component, vhost, name = _str(args, "component"), _str(args, "vhost"), _name(args, "name")
+        component, vhost, name = (
+            text_arg(args, "component"),
+            text_arg(args, "vhost"),
+            name_arg(args, "name"),
+        )
         if component != UPSTREAM:
             raise bad_request(f"unknown component {component!r}: only {UPSTREAM} is supported")
         if vhost not in self._topology.vhosts:
@@ -685,9 +324,9 @@ class Admin:
         return (201 if self._federation.put(upstream) else 204), None
 
     def delete_parameter(self, args: dict[str, Any], who: str) -> Answer:
-        if _str(args, "component") != UPSTREAM:
+        if text_arg(args, "component") != UPSTREAM:
             raise not_found()
-        if not self._federation.delete(_str(args, "vhost"), _str(args, "name")):
+        if not self._federation.delete(text_arg(args, "vhost"), text_arg(args, "name")):
             raise not_found()
         return 204, None
 
@@ -696,7 +335,7 @@ class Admin:
         member does (the secret holder's identity), never an HTTP caller."""
         if who != TRUSTED:
             raise AdminError(401, "not_authorised", "Access refused.")
-        key = (_str(args, "vhost"), _str(args, "exchange"), _str(args, "upstream"))
+        key = (text_arg(args, "vhost"), text_arg(args, "exchange"), text_arg(args, "upstream"))
         state = args.get("state")
         if not isinstance(state, dict):
             raise bad_request("state must be a JSON object")
@@ -732,7 +371,7 @@ class Admin:
         permissions, policies, queues, exchanges, bindings. Each item goes through the op a
         request for it alone would; the first that fails ends the import with its answer,
         what came before it staying (as in RabbitMQ)."""
-        defs = _table(args, "definitions")
+        defs = table_arg(args, "definitions")
         only = args.get("vhost")
         if only is not None and not isinstance(only, str):
             raise bad_request("vhost must be a string")
@@ -761,9 +400,9 @@ class Admin:
             "permissions": self.put_permissions,
             "parameters": self.put_parameter,
             "policies": self.put_policy,
-            "queues": self.put_queue,
-            "exchanges": self.put_exchange,
-            "bindings": self.bind,
+            "queues": self.resources.put_queue,
+            "exchanges": self.resources.put_exchange,
+            "bindings": self.resources.bind,
         }
         vhosts = self._topology.vhosts
         for key, shape in steps:
@@ -794,23 +433,6 @@ class Admin:
         return 204, None
 
 
-def _limit(limits: dict[str, Any], key: str) -> int | None:
-    v = limits.get(key)
-    if v is None or (isinstance(v, int) and not isinstance(v, bool) and v < 0):
-        return None  # RabbitMQ's -1: no limit
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise bad_request(f"limit {key} must be an integer")
-    return v
-
-
-def validate_pattern(pattern: str) -> str:
-    try:
-        compile_pattern(pattern)
-    except ValueError as e:
-        return f"{pattern!r} is not a valid regular expression: {e}"
-    return ""
-
-
 def _predeclared(item: dict[str, Any]) -> bool:
     name = item.get("name")
     return (
@@ -837,60 +459,3 @@ def _binding_item(b: dict[str, Any]) -> dict[str, Any]:
         **b,
         "destination_type": "q" if kind == "queue" else "e" if kind == "exchange" else kind,
     }
-
-
-# The properties the management API takes, with the pamqp names they are set by.
-_PROPERTY_NAMES = {
-    "content_type": "content_type",
-    "content_encoding": "content_encoding",
-    "headers": "headers",
-    "delivery_mode": "delivery_mode",
-    "priority": "priority",
-    "correlation_id": "correlation_id",
-    "reply_to": "reply_to",
-    "expiration": "expiration",
-    "message_id": "message_id",
-    "timestamp": "timestamp",
-    "type": "message_type",
-    "user_id": "user_id",
-    "app_id": "app_id",
-    "cluster_id": "cluster_id",
-}
-
-
-def _content_header(props: dict[str, Any], size: int) -> bytes:
-    """The content header of a message published through the API, encoded by pamqp (once,
-    on every replica alike: its encoding is a pure function of the properties)."""
-    kw: dict[str, Any] = {}
-    for key, value in props.items():
-        name = _PROPERTY_NAMES.get(key)
-        if name is not None:  # RabbitMQ ignores a property it does not know
-            kw[name] = value
-    exp = kw.get("expiration")
-    if exp is not None and (not isinstance(exp, str) or not exp.isdigit() or not exp.isascii()):
-        raise bad_request(f"invalid expiration {exp!r}")
-    try:
-        raw = bytes(pheader.ContentHeader(0, size, commands.Basic.Properties(**kw)).marshal())
-        # Through our own check too: what a client could not publish, the API cannot.
-        parse_content_header(raw)
-    except (TypeError, ValueError, OverflowError, AttributeError) as e:
-        raise bad_request(f"invalid message properties: {e}") from None
-    return raw
-
-
-def _properties_json(header: bytes) -> dict[str, Any]:
-    """A message's properties as RabbitMQ's get answers them (only those set)."""
-    try:
-        h = pheader.ContentHeader()
-        h.unmarshal(header)
-    except (ValueError, TypeError, IndexError):
-        return {}
-    out: dict[str, Any] = {}
-    for key, name in _PROPERTY_NAMES.items():
-        v = getattr(h.properties, name, None)
-        if v is None or (key == "cluster_id" and v == ""):  # pamqp's default for an unset one
-            continue
-        if key == "timestamp" and hasattr(v, "timestamp"):
-            v = int(v.timestamp())
-        out[key] = json_value(v)
-    return out

@@ -95,7 +95,8 @@ NOT_REPLICATED = {
     "Permissions": {"_known", "published"},
     "Delivery": {"_published"},
     # The replica's own member id (which answers are another member's).
-    "Admin": {"local_member", "_answering"},
+    "Admin": {"local_member"},
+    "ResourceOps": {"answering"},
 }
 
 

@@ -38,7 +38,7 @@ import attrs
 
 from cpgbroker.model import auth
 from cpgbroker.model import entities as E
-from cpgbroker.model.admin import properties_key
+from cpgbroker.model.adminargs import properties_key
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.config import Policy, User
 from cpgbroker.model.exchange import Exchange
