@@ -8,6 +8,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,25 @@ PROPERTY_FIELDS = (
     "user_id",
     "app_id",
 )
+
+
+def management(
+    bs: BrokerSet, node: int, method: str, path: str, auth: str, body: Any = None
+) -> tuple[int, Any]:
+    """One request to a member's management API: the status and the answer (JSON parsed, an
+    empty body as None, anything else as text)."""
+    url = f"http://127.0.0.1:{bs.ports[node][1]}{path}"
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Authorization": auth, "Content-Type": "application/json"}
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            raw, status = resp.read(), resp.status
+    except urllib.error.HTTPError as e:
+        raw, status = e.read(), e.code
+    if not raw:
+        return status, None
+    return status, json.loads(raw) if raw.startswith((b"{", b"[")) else raw.decode()
 
 
 def assert_same_properties(got: pika.BasicProperties, sent: pika.BasicProperties) -> None:

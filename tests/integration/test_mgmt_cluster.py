@@ -4,17 +4,14 @@ from its replica."""
 from __future__ import annotations
 
 import base64
-import json
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from typing import Any
 
 import pika
 import pika.exceptions
 import pytest
-from brokerclients import connect
+from brokerclients import connect, management
 from prometheus_client.parser import text_string_to_metric_families
 
 from cpgbroker.dev.brokers import BrokerSet
@@ -38,16 +35,7 @@ AUTH = "Basic " + base64.b64encode(b"ops:ops-pw").decode()
 
 
 def api(bs: BrokerSet, node: int, path: str, auth: str = AUTH) -> tuple[int, Any]:
-    url = f"http://127.0.0.1:{bs.ports[node][1]}{path}"
-    request = urllib.request.Request(url, headers={"Authorization": auth})
-    try:
-        with urllib.request.urlopen(request, timeout=10) as resp:
-            body = resp.read()
-            status = resp.status
-    except urllib.error.HTTPError as e:
-        body, status = e.read(), e.code
-    is_json = body.startswith((b"{", b"["))
-    return status, json.loads(body) if is_json else body.decode()
+    return management(bs, node, "GET", path, auth)
 
 
 def test_every_member_answers_the_api_for_the_whole_cluster(
@@ -119,16 +107,7 @@ def test_every_member_answers_the_api_for_the_whole_cluster(
 def write(
     bs: BrokerSet, node: int, method: str, path: str, body: Any = None, auth: str = AUTH
 ) -> tuple[int, Any]:
-    url = f"http://127.0.0.1:{bs.ports[node][1]}{path}"
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"Authorization": auth, "Content-Type": "application/json"}
-    request = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            raw, status = resp.read(), resp.status
-    except urllib.error.HTTPError as e:
-        raw, status = e.read(), e.code
-    return status, json.loads(raw) if raw else None
+    return management(bs, node, method, path, auth, body)
 
 
 def login(bs: BrokerSet, node: int, user: str, password: str, vhost: str = "/") -> Any:

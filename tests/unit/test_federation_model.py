@@ -125,21 +125,25 @@ def test_forwarded_messages_are_routed_in_order_and_answered() -> None:
         routing_key="a.*",
     )
     good = _header(3, headers={"x-received-from": [{"cluster-name": "central"}]})
-    msgs = (
-        ("a.x", good, b"one"),
-        ("b.x", _header(3), b"two"),
-        ("a.y", b"\x00garbage", b"bad"),
-        ("a.z", _header(5), b"three"),
+    msgs = tuple(
+        (rk, header, body, body, False)
+        for rk, header, body in (
+            ("a.x", good, b"one"),
+            ("b.x", _header(3), b"two"),
+            ("a.y", b"\x00garbage", b"bad"),
+            ("a.z", _header(5), b"three"),
+        )
     )
     before = len(h.effects)
-    h.apply(Forward(2, 99, "/", "events", msgs))
+    h.apply(Forward(2, 99, "/", "events", "central", msgs))
     (reply,) = [e for e in h.effects[before:] if isinstance(e, AdminReply)]
-    assert (reply.member, reply.ticket, reply.status, reply.body) == (2, 99, 200, {"routed": 2})
+    assert (reply.member, reply.ticket, reply.status) == (2, 99, 200)
+    assert reply.body == {"routed": 2, "duplicates": 0}
     q = h.broker.vhosts["/"].queues["sink"]
     assert [e.msg.body for e in q.messages] == [b"one", b"three"]
     assert q.messages[0].msg.header == good  # the header as the link made it, byte for byte
     before = len(h.effects)
-    h.apply(Forward(2, 100, "/", "nope", msgs))
+    h.apply(Forward(2, 100, "/", "nope", "central", msgs))
     (reply,) = [e for e in h.effects[before:] if isinstance(e, AdminReply)]
     assert reply.status == 404
 
@@ -192,10 +196,77 @@ def test_federation_state_survives_snapshots_the_wire_and_the_journal() -> None:
     assert restored.federation.status == h.broker.federation.status
     # A state without federation snapshots as before it existed.
     assert "federation" not in snapshot.snapshot(Broker())[0]
-    ev = Forward(7, 1, "/", "événements", (("k", _header(2), b"\x00\xff"), ("", b"", b"")))
+    ev = Forward(
+        7,
+        1,
+        "/",
+        "événements",
+        "up",
+        (("k", _header(2), b"\x00\xff", b"d" * 16, True), ("", b"", b"", b"", False)),
+    )
     assert codec.decode_batch(codec.HEADER + codec.encode(ev), 7) == [ev]
     with pytest.raises(Exception, match="link"):
         codec.decode_batch(codec.HEADER + codec.encode(ev), 8)
     with pytest.raises(Exception, match="truncated"):
         codec.decode_batch(codec.HEADER + codec.encode(ev)[:-3], 7)
     assert records.decode(records.encode(ev)) == (ev, False)
+
+
+def test_redeliveries_of_what_a_link_handed_over_are_dropped_on_every_replica() -> None:
+    """A runner dies after handing a batch over and before acknowledging it upstream: the
+    upstream redelivers it to the next runner, and the cluster drops those it has. A first
+    delivery of an equal message is a new message and stays; the window is replicated."""
+    replicas = [Harness(), Harness()]
+    for h in replicas:
+        ops = Ops(h, member=2)
+        ops("put_queue", vhost="/", name="sink")
+
+    def batch(ticket: int, items: list[tuple[bytes, bool]]) -> Forward:
+        return Forward(
+            2,
+            ticket,
+            "/",
+            "",
+            "central",
+            tuple(
+                ("sink", _header(len(b)), b, b"id-" + b, redelivered) for b, redelivered in items
+            ),
+        )
+
+    answers = []
+    for h in replicas:
+        h.apply(batch(101, [(b"1", False), (b"2", False), (b"3", False)]))
+        # The next runner gets 2 and 3 again (redelivered), then 4; and a new "1" published
+        # upstream again (not redelivered) is a message of its own.
+        h.apply(batch(102, [(b"2", True), (b"3", True), (b"4", False), (b"1", False)]))
+        answers.append(
+            [e.body for e in h.effects if isinstance(e, AdminReply) and e.ticket in (101, 102)]
+        )
+    assert (
+        answers[0]
+        == answers[1]
+        == [
+            {"routed": 3, "duplicates": 0},
+            {"routed": 2, "duplicates": 2},
+        ]
+    )
+    q = replicas[0].broker.vhosts["/"].queues["sink"]
+    assert [e.msg.body for e in q.messages] == [b"1", b"2", b"3", b"4", b"1"]
+    assert snapshot.digest(replicas[0].broker) == snapshot.digest(replicas[1].broker)
+    # A replica restored from a snapshot (a newcomer that runs the link next) knows them too.
+    restored = Harness(snapshot.restore(snapshot.snapshot(replicas[0].broker)))
+    restored.apply(batch(103, [(b"4", True), (b"5", True)]))
+    assert [e.body for e in restored.effects if isinstance(e, AdminReply)] == [
+        {"routed": 1, "duplicates": 1}
+    ]
+
+
+def test_the_window_forgets_the_oldest() -> None:
+    from cpgbroker.model.federation import Seen
+
+    seen = Seen(window=3)
+    for d in (b"a", b"b", b"c", b"d"):
+        assert seen.fresh(d, False)
+    assert list(seen.digests) == [b"b", b"c", b"d"]
+    assert seen.fresh(b"a", True)  # forgotten: forwarded again rather than lost
+    assert not seen.fresh(b"c", True)

@@ -38,7 +38,7 @@ from cpgbroker.model.entities import (
     TxPublish,
 )
 from cpgbroker.model.exchange import Binding, Exchange
-from cpgbroker.model.federation import Federation, Upstream
+from cpgbroker.model.federation import Federation, Seen, Upstream
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output
 from cpgbroker.model.permissions import Permissions
@@ -69,6 +69,7 @@ ENTITIES = (
     HeaderInfo,
     Policy,
     Upstream,
+    Seen,
 )
 # The broker and its components: every attribute of each is compared too (references between
 # components and their bound methods included), so a component that grows state the snapshot

@@ -350,18 +350,23 @@ class Admin:
         vh = self._topology.vhosts.get(e.vhost)
         ex = None if vh is None else vh.exchanges.get(e.exchange)
         status: int = 404
-        routed = 0
+        routed = duplicates = 0
         if vh is not None and ex is not None:
             status = 200
             publish = self._delivery.publish_admin
-            for rk, header, body in e.messages:
+            seen = self._federation.seen((e.vhost, e.exchange, e.upstream))
+            for rk, header, body, digest, redelivered in e.messages:
+                if not seen.fresh(digest, redelivered):
+                    duplicates += 1  # handed over already by a runner that died (or was cut)
+                    continue
                 try:
                     parse_content_header(header)
                 except ValueError:
                     continue
                 if publish(vh, ex, rk, header, body):
                     routed += 1
-        self._out.effect(AdminReply(e.member, e.ticket, status, {"routed": routed}))
+        answer = {"routed": routed, "duplicates": duplicates}
+        self._out.effect(AdminReply(e.member, e.ticket, status, answer))
         self._out.admin_answered(e.member != self.local_member)
 
     # ------------------------------------------------------------------ definitions

@@ -130,17 +130,21 @@ class AdminCommand:
 
 @attrs.frozen
 class Forward:
-    """Messages a federation link of ``member`` brought in from an upstream cluster
-    (runtime/federation.py), to publish into ``exchange`` of ``vhost`` in this order, as
-    (routing key, content header, body): the header already carries ``x-received-from``.
-    Answered like an :class:`AdminCommand` (``member``, ``ticket``): the link acknowledges
-    them upstream once the answer says every member has them."""
+    """Messages the federation link (``vhost``, ``exchange``, ``upstream``) of ``member``
+    brought in from an upstream cluster (runtime/federation.py), to publish into the exchange
+    in this order, as (routing key, content header, body, digest, redelivered): the header
+    already carries ``x-received-from``; ``digest`` names the message as the upstream sent
+    it, and ``redelivered`` says the upstream sent it before (to a runner that may have handed
+    it over already: model/federation.py drops it then). Answered like an
+    :class:`AdminCommand` (``member``, ``ticket``): the link acknowledges them upstream once
+    the answer says every member has them."""
 
     member: int
     ticket: int
     vhost: str
     exchange: str
-    messages: tuple[tuple[str, bytes, bytes], ...]
+    upstream: str
+    messages: tuple[tuple[str, bytes, bytes, bytes, bool], ...]
 
 
 Event = (
@@ -260,10 +264,19 @@ def encode_forward(ev: Forward) -> bytes:
         _Q.pack(ev.ticket),
         _s(ev.vhost),
         _s(ev.exchange),
+        _s(ev.upstream),
         _I.pack(len(ev.messages)),
     ]
-    for rk, header, body in ev.messages:
-        parts += [_s(rk), _I.pack(len(header)), header, _I.pack(len(body)), body]
+    for rk, header, body, digest, redelivered in ev.messages:
+        parts += [
+            _s(rk),
+            _I.pack(len(header)),
+            header,
+            _I.pack(len(body)),
+            body,
+            bytes([len(digest), redelivered]),
+            digest,
+        ]
     return b"".join(parts)
 
 
@@ -272,6 +285,7 @@ def decode_forward(data: bytes, p: int) -> tuple[Forward, int]:
     member, ticket = struct.unpack_from(">QQ", data, p)
     vhost, p = _read_s(data, p + 16)
     exchange, p = _read_s(data, p)
+    upstream, p = _read_s(data, p)
     (n,) = _I.unpack_from(data, p)
     p += 4
     messages = []
@@ -283,7 +297,10 @@ def decode_forward(data: bytes, p: int) -> tuple[Forward, int]:
         (blen,) = _I.unpack_from(data, p)
         body = bytes(data[p + 4 : p + 4 + blen])
         p += 4 + blen
-        if len(header) != hlen or len(body) != blen:
+        dlen, redelivered = data[p], data[p + 1]
+        digest = bytes(data[p + 2 : p + 2 + dlen])
+        p += 2 + dlen
+        if len(header) != hlen or len(body) != blen or len(digest) != dlen:
             raise IndexError("forwarded message past the end")
-        messages.append((rk, header, body))
-    return Forward(member, ticket, vhost, exchange, tuple(messages)), p
+        messages.append((rk, header, body, digest, bool(redelivered)))
+    return Forward(member, ticket, vhost, exchange, upstream, tuple(messages)), p

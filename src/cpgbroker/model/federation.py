@@ -15,8 +15,10 @@ from the same replicated membership (runtime/federation.py).
 
 A link's runner reports its state changes (connecting, running, error) through an ordered
 admin command, so every member shows every link's status alike; messages a link brings in
-arrive as :class:`~cpgbroker.model.events.Forward` events (model/admin.py applies them).
-Owns: the upstreams, by vhost and name, and the links' reported states.
+arrive as :class:`~cpgbroker.model.events.Forward` events (model/admin.py applies them). The
+digests of each link's latest forwarded messages (:class:`Seen`) let every replica drop alike
+the upstream's redelivery of a message a runner handed over and died before acknowledging.
+Owns: the upstreams, by vhost and name, the links' reported states and their recent digests.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ class Upstream:
     # How many clusters a message may cross (RabbitMQ's max-hops): 1 forwards only what was
     # published at the upstream itself.
     max_hops: int = 1
-    # on-confirm: acknowledged upstream once every member here has it (nothing lost, a
-    # message may come twice across a link's takeover); on-publish: acknowledged once sent
+    # on-confirm: acknowledged upstream once every member here has it (nothing lost, and a
+    # redelivery of what was handed over is recognised: Seen); on-publish: acknowledged once sent
     # on; no-ack: the upstream forgets it at once and keeps nothing for a link that is down
     # (fastest; a link failure loses what was on the way and what is published meanwhile:
     # the seed design's lossy link).
@@ -142,14 +144,47 @@ class Link:
         return self.upstream.exchange or self.exchange
 
 
+# How many of a link's latest messages are remembered, to recognise the upstream's
+# redeliveries of messages a runner handed over but did not acknowledge before it died (at
+# most its prefetch count were in flight; the default prefetch is 1,000).
+SEEN_WINDOW = 2000
+
+
+class Seen:
+    """The digests of a link's latest forwarded messages, oldest first (a dict as an
+    ordered set: iteration and eviction follow insertion order on every replica)."""
+
+    __slots__ = ("digests", "window")
+
+    def __init__(self, window: int = SEEN_WINDOW) -> None:
+        self.digests: dict[bytes, None] = {}
+        self.window = window
+
+    def fresh(self, digest: bytes, redelivered: bool) -> bool:
+        """Whether to forward a message: not if the upstream redelivers one already forwarded
+        (a first delivery is always new: two equal messages published upstream are two).
+        Remembers it either way."""
+        if redelivered and digest in self.digests:
+            return False
+        if digest:
+            self.digests.pop(digest, None)
+            self.digests[digest] = None
+            if len(self.digests) > self.window:
+                del self.digests[next(iter(self.digests))]
+        return True
+
+
 class Federation:
-    __slots__ = ("status", "upstreams")
+    __slots__ = ("recent", "status", "upstreams")
 
     def __init__(self, seed: tuple[Upstream, ...] = ()) -> None:
         # vhost -> name -> upstream, in the order they were first set.
         self.upstreams: dict[str, dict[str, Upstream]] = {}
         # (vhost, exchange, upstream) -> what the link's runner last reported.
         self.status: dict[tuple[str, str, str], dict[str, Any]] = {}
+        # (vhost, exchange, upstream) -> the link's latest forwarded messages (replicated:
+        # whichever member runs the link next must recognise the same redeliveries).
+        self.recent: dict[tuple[str, str, str], Seen] = {}
         for u in seed:
             self.put(u)
 
@@ -165,23 +200,29 @@ class Federation:
             return False
         if not ups:
             del self.upstreams[vhost]
-        for key in [k for k in self.status if k[0] == vhost and k[2] == name]:
-            del self.status[key]
+        for table in (self.status, self.recent):
+            for key in [k for k in table if k[0] == vhost and k[2] == name]:
+                del table[key]
         return True
 
     def forget_vhost(self, vhost: str) -> None:
         self.upstreams.pop(vhost, None)
-        for key in [k for k in self.status if k[0] == vhost]:
-            del self.status[key]
+        for table in (self.status, self.recent):
+            for key in [k for k in table if k[0] == vhost]:
+                del table[key]
 
     def all(self) -> list[Upstream]:
         return [u for ups in self.upstreams.values() for u in ups.values()]
 
-    def restore(self, upstreams: list[Upstream], status: list[Any]) -> None:
+    def restore(self, upstreams: list[Upstream], status: list[Any], recent: list[Any]) -> None:
         self.upstreams.clear()
         for u in upstreams:
             self.put(u)
         self.status = {(s[0], s[1], s[2]): s[3] for s in status}
+        self.recent = {}
+        for vhost, exchange, upstream, digests in recent:
+            seen = self.seen((vhost, exchange, upstream))
+            seen.digests = dict.fromkeys(digests)
 
     def links(self, vhosts: dict[str, Any], definition_of: Any) -> list[Link]:
         """Every link, in vhost, exchange and upstream order. ``definition_of(ex)``: the
@@ -209,3 +250,9 @@ class Federation:
 
     def report(self, key: tuple[str, str, str], state: dict[str, Any]) -> None:
         self.status[key] = state
+
+    def seen(self, key: tuple[str, str, str]) -> Seen:
+        s = self.recent.get(key)
+        if s is None:
+            s = self.recent[key] = Seen()
+        return s

@@ -326,7 +326,7 @@ def _head(b: Broker, queues: list[Queue]) -> dict[str, Any]:
     if tuple(users.by_name.values()) != users.seeded:
         h["users"] = [_user(u) for u in users.by_name.values()]
     fed = b.federation
-    if fed.upstreams or fed.status:
+    if fed.upstreams or fed.status or fed.recent:
         h["federation"] = {
             "upstreams": [
                 [
@@ -344,6 +344,7 @@ def _head(b: Broker, queues: list[Queue]) -> dict[str, Any]:
                 for u in fed.all()
             ],
             "status": [[*key, state] for key, state in fed.status.items()],
+            "recent": [[*key, list(seen.digests)] for key, seen in fed.recent.items()],
         }
     policies = b.policies.all()
     if policies:
@@ -666,9 +667,11 @@ class Restorer:
         if "users" in h:
             self.b.users.restore(_restore_user(d) for d in h["users"])
         self.b.policies.restore([Policy(*p) for p in h.get("policies", [])])
-        fed = h.get("federation", {"upstreams": [], "status": []})
+        fed = h.get("federation", {"upstreams": [], "status": [], "recent": []})
         self.b.federation.restore(
-            [Upstream(u[0], u[1], tuple(u[2]), *u[3:]) for u in fed["upstreams"]], fed["status"]
+            [Upstream(u[0], u[1], tuple(u[2]), *u[3:]) for u in fed["upstreams"]],
+            fed["status"],
+            fed["recent"],
         )
         self.head = h
 

@@ -23,8 +23,9 @@ seed design's exchange federation agent (and RabbitMQ's federation plugin):
    no loops between mutually federated clusters);
 4. it acknowledges upstream as the upstream's ``ack-mode`` says: ``on-confirm`` once the
    cluster's answer says every member has the messages (and, with stores, wrote them): a
-   link that dies loses nothing, the upstream redelivers what was not acknowledged, and a
-   message may come twice across a takeover; ``on-publish`` once handed over; ``no-ack``
+   link that dies loses nothing, the upstream redelivers what was not acknowledged, and the
+   cluster drops a redelivery of what it has (each message carries its digest and the
+   upstream's redelivered flag: model/federation.py); ``on-publish`` once handed over; ``no-ack``
    the upstream forgets at once, and its queue lives only while the link is connected, so
    what is published upstream while the link is down is lost (the seed's lossy link).
 
@@ -44,6 +45,7 @@ Owns: the links this member runs (one task each).
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import re
@@ -103,6 +105,25 @@ def client_context(tls: TlsConfig | None) -> ssl.SSLContext | None:
     return context
 
 
+def message_digest(d: Delivery) -> bytes:
+    """What names a message as the upstream sent it, for the cluster to recognise the
+    upstream's redelivery of one a previous runner handed over already (model/federation.py):
+    its routing key, the identifying properties a publisher sets, and its body."""
+    h = hashlib.blake2b(digest_size=16)
+    p = d.properties
+    for part in (
+        d.exchange,
+        d.routing_key,
+        "" if p is None else str(p.message_id or ""),
+        "" if p is None else str(p.timestamp or ""),
+        "" if p is None else str(p.correlation_id or ""),
+    ):
+        h.update(part.encode())
+        h.update(b"\0")
+    h.update(d.body)
+    return h.digest()
+
+
 def owner(link: Link, ready: list[int]) -> int | None:
     """The member that runs ``link``: every member computes the same from the same ready
     members (CRC-32: the same on every member, unlike ``hash``)."""
@@ -156,6 +177,7 @@ class LinkState:
         self.forwarded = 0
         self.dropped_loops = 0
         self.too_large = 0
+        self.duplicates = 0
         self.upstream_queue_messages: int | None = None
 
     def as_dict(self, member: int) -> dict[str, Any]:
@@ -173,6 +195,8 @@ class LinkState:
             out["dropped_loops"] = self.dropped_loops
         if self.too_large:
             out["too_large"] = self.too_large
+        if self.duplicates:
+            out["duplicates_dropped"] = self.duplicates
         return out
 
 
@@ -435,12 +459,13 @@ class FederationLinks:
                     d = await deliveries.receive()
                     batch.append(d)
                     size += len(d.body)
-            messages: list[tuple[str, bytes, bytes]] = []
+            messages: list[tuple[str, bytes, bytes, bytes, bool]] = []
             # The last delivery of the batch that is still ours to acknowledge (one rejected
             # as too large is settled already: acknowledging it again is a channel error).
             last_tag = 0
             for d in batch:
                 props = d.properties or commands.Basic.Properties()
+                digest = message_digest(d)
                 headers = dict(props.headers or {})
                 seen = headers.get(RECEIVED_FROM)
                 seen = list(seen) if isinstance(seen, list) else []
@@ -458,26 +483,28 @@ class FederationLinks:
                 headers[RECEIVED_FROM] = [*seen, {**hop, "redelivered": d.redelivered}]
                 props.headers = headers
                 header = bytes(pheader.ContentHeader(0, len(d.body), props).marshal())
-                messages.append((d.routing_key, header, d.body))
+                messages.append((d.routing_key, header, d.body, digest, d.redelivered))
                 last_tag = d.delivery_tag
             acked = no_ack or not last_tag
             if messages:
                 if not on_confirm and not acked:
                     await ch.ack(last_tag, multiple=True)
                     acked = True
-                status, _ = await self._desk.submit(
+                status, answer = await self._desk.submit(
                     functools.partial(
                         Forward,
                         self.member,
                         vhost=link.vhost,
                         exchange=link.exchange,
+                        upstream=link.upstream.name,
                         messages=tuple(messages),
                     ),
                     SETTLE_TIMEOUT,
                 )
                 if status != 200:
                     raise LinkRefused(f"the local exchange is gone ({status})")
-                state.forwarded += len(messages)
+                state.duplicates += answer["duplicates"]
+                state.forwarded += len(messages) - answer["duplicates"]
             if not acked:
                 await ch.ack(last_tag, multiple=True)
 
