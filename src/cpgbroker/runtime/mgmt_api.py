@@ -26,25 +26,24 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import hmac
 import re
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
-from decimal import Decimal
 from typing import Any
 
 import attrs
 
 from cpgbroker.model import auth
 from cpgbroker.model import entities as E
-from cpgbroker.model.adminargs import properties_key
+from cpgbroker.model.adminargs import json_value, properties_key
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.config import Policy, User
 from cpgbroker.model.exchange import Exchange
 from cpgbroker.model.federation import UPSTREAM, Upstream
 from cpgbroker.model.policies import Policies
 from cpgbroker.model.topology import VHost
+from cpgbroker.model.users import hashed
 
 # RabbitMQ's realm (rabbit_mgmt.hrl AUTH_REALM): clients and browsers show it.
 AUTH_REALM = 'Basic realm="RabbitMQ Management"'
@@ -201,19 +200,8 @@ def cluster_view(status: dict[str, Any], broker: Broker | None, host: str) -> Cl
 # JSON shapes (RabbitMQ 3.10)
 
 
-def jsonable(value: Any) -> Any:
-    """A field-table value as RabbitMQ's JSON shows it (bytes as text, decimals as numbers)."""
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value).decode("utf-8", "replace")
-    if isinstance(value, Decimal):
-        return float(value)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
+# RabbitMQ's JSON of field-table values: the model's (its admin answers shape them alike).
+jsonable = json_value
 
 
 def _peer(peer: str) -> tuple[str, int | None]:
@@ -386,15 +374,11 @@ def vhost_json(vh: VHost, view: ClusterView) -> dict[str, Any]:
 
 
 def shown_hash(user: User) -> tuple[str, str]:
-    """(password_hash, hashing_algorithm) as RabbitMQ shows a user. A user configured with a
-    plain password gets a salted SHA-256 hash of it, salted from the name so that every member
-    shows the same (and a definitions export imports into RabbitMQ with the same password)."""
-    if user.password_hash or not user.password:
-        return user.password_hash, user.hashing_algorithm
-    salt = hashlib.sha256(b"cpgbroker password salt\0" + user.name.encode()).digest()[
-        : auth.SALT_BYTES
-    ]
-    return auth.hash_password(user.password, salt), auth.DEFAULT_ALGORITHM
+    """(password_hash, hashing_algorithm) as RabbitMQ shows a user. The model holds every
+    user with a hash (a configured plain password is hashed from the user's name,
+    model/users.py); the configuration's users, shown before a member has a replica, alike."""
+    u = hashed(user)
+    return u.password_hash, u.hashing_algorithm
 
 
 def user_json(user: User) -> dict[str, Any]:
