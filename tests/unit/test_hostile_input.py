@@ -286,3 +286,34 @@ def _nested(depth: int) -> Any:
     for _ in range(depth):
         v = {"a": v}
     return v
+
+
+def test_two_full_queues_dead_lettering_into_each_other_do_not_hang_the_broker() -> None:
+    """Two capped queues whose dead-letter exchanges lead to each other: a publish to a full
+    one dead-letters its head into the other, whose head comes back... RabbitMQ's cycle rule
+    drops a message headed back to a queue it died in; without it every member looped for
+    ever within one event."""
+    from pamqp import commands as c
+
+    from modelclient import Harness
+
+    h = Harness()
+    cl = h.connect(1)
+    cl.handshake()
+    cl.channel()
+    for ex in ("dx", "dy"):
+        cl.rpc(1, c.Exchange.Declare(exchange=ex, exchange_type="fanout"))
+    for q, dlx in (("a", "dy"), ("b", "dx")):
+        cl.rpc(
+            1,
+            c.Queue.Declare(queue=q, arguments={"x-max-length": 1, "x-dead-letter-exchange": dlx}),
+        )
+    cl.rpc(1, c.Queue.Bind(queue="a", exchange="dx"))
+    cl.rpc(1, c.Queue.Bind(queue="b", exchange="dy"))
+    for i in range(3):
+        cl.publish(1, "", "a", b"m%d" % i)
+        cl.publish(1, "", "b", b"n%d" % i)
+    queues = h.broker.vhosts["/"].queues
+    assert not cl.is_closed
+    assert [e.msg.body for e in queues["a"].messages] == [b"m2"]
+    assert [e.msg.body for e in queues["b"].messages] == [b"n2"]

@@ -57,3 +57,22 @@ def dead_letter_header(msg: Message, q: Queue, reason: str, now_ms: int) -> byte
         props.expiration = None
     props.headers = headers
     return bytes(ch.marshal())
+
+
+def is_cycle(header: bytes, target: str) -> bool:
+    """RabbitMQ's cycle rule (``rabbit_dead_letter``): a dead-lettered message whose x-death
+    (newest first) names ``target`` already, with no death by rejection on the way there, is
+    going round in circles and is dropped instead of enqueued. Without it, two full queues that
+    dead-letter into each other would hand messages back and forth for ever within one event.
+    """
+    from pamqp import header as pheader
+
+    ch = pheader.ContentHeader()
+    ch.unmarshal(header)
+    deaths = (ch.properties.headers or {}).get("x-death")
+    for d in deaths if isinstance(deaths, list) else ():
+        if not isinstance(d, dict) or d.get("reason") == "rejected":
+            return False
+        if d.get("queue") == target:
+            return True
+    return False

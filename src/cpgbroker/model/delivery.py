@@ -39,7 +39,7 @@ from cpgbroker.errors import ChannelError, ConnectionError_, ReplyCode
 from cpgbroker.model import entities as E
 from cpgbroker.model.config import BrokerConfig
 from cpgbroker.model.confirms import Confirms
-from cpgbroker.model.deadletter import dead_letter_header
+from cpgbroker.model.deadletter import dead_letter_header, is_cycle
 from cpgbroker.model.entities import (
     Channel,
     Connection,
@@ -570,9 +570,9 @@ class Delivery:
             self.msg_seq, ex.name, rk, header, msg.body, info.delivery_mode, None, info.headers_span
         )
         for target in self.route(vh, ex, rk, new):
-            # RabbitMQ drops a message that would dead-letter into the queue it left with the
-            # same reason (a cycle) unless it was rejected explicitly.
-            if target is q and reason != "rejected":
+            # RabbitMQ drops a message that would go round a dead-letter cycle (back into a
+            # queue it died in) unless a rejection is on the way.
+            if reason != "rejected" and is_cycle(header, target.name):
                 continue
             if self.enqueue(target, Entry(new, False, None)):
                 self.dispatch(target)
