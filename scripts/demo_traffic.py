@@ -54,7 +54,9 @@ def connect(
             p.heartbeat = 5
             try:
                 conn = pika.BlockingConnection(p)
-            except pika.exceptions.AMQPConnectionError:
+            except (pika.exceptions.AMQPConnectionError, ValueError):
+                # ValueError: pika's "Expected connected socket" when the member
+                # being killed resets the connection mid-handshake; try the next.
                 continue
             member = url.split("@")[-1].rstrip("/")
             rec.connected(url)

@@ -30,6 +30,10 @@ RUN_ID = 7
 EVENTS_BEFORE_KILL = 11_000
 EVENTS_AFTER_KILL = 10_000
 CLIENT_ERRORS = (pika.exceptions.AMQPError, OSError)
+# pika raises ValueError ("Expected connected socket") when a member that is
+# going down resets the TCP connection between connect() and pika's transport
+# setup: for a client that is a refused connection like any other.
+CONNECT_ERRORS = (*CLIENT_ERRORS, ValueError)
 
 
 class Traffic:
@@ -61,7 +65,7 @@ class Traffic:
                 params.blocked_connection_timeout = 10
                 try:
                     conn = pika.BlockingConnection(params)
-                except CLIENT_ERRORS:
+                except CONNECT_ERRORS:
                     continue
                 rec.connected(url)
                 return conn

@@ -35,6 +35,10 @@ CHECKPOINT_EVERY = 300
 # What the holding consumer holds when the cluster dies.
 HOLD = 5
 CLIENT_ERRORS = (pika.exceptions.AMQPError, OSError)
+# pika raises ValueError ("Expected connected socket") when a member that is
+# going down resets the TCP connection between connect() and pika's transport
+# setup: for a client that is a refused connection like any other.
+CONNECT_ERRORS = (*CLIENT_ERRORS, ValueError)
 
 
 class Clients:
@@ -66,7 +70,7 @@ class Clients:
                 params.blocked_connection_timeout = 10
                 try:
                     conn = pika.BlockingConnection(params)
-                except CLIENT_ERRORS:
+                except CONNECT_ERRORS:
                     continue
                 rec.connected(url)
                 return conn
