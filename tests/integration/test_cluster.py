@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pika
@@ -64,6 +65,48 @@ def test_publish_on_one_member_consume_on_the_others(brokers: BrokerSet) -> None
     assert brokers.converged([1, 2, 3]) != digest
     for n in (1, 2, 3):
         assert queues(brokers, n)["/:eu"]["ready"] == 0
+
+
+def test_rpc_with_direct_reply_to_between_clients_of_different_members(
+    brokers: BrokerSet,
+) -> None:
+    """RabbitMQ's direct reply-to with pika: the requester on member 1 consumes
+    ``amq.rabbitmq.reply-to`` and publishes requests with it as reply-to; the server on member
+    3 answers to the address it sees. Every answer reaches its request; nothing is left behind
+    once the requester is gone."""
+    server = connect(brokers, 3)
+    sch = server.channel()
+    sch.queue_declare("rpc.dr")
+
+    def serve(ch: Any, m: Any, p: pika.BasicProperties, body: bytes) -> None:
+        assert p.reply_to.startswith("amq.rabbitmq.reply-to.")
+        answer = pika.BasicProperties(correlation_id=p.correlation_id)
+        ch.basic_publish("", p.reply_to, body.upper(), answer)
+        ch.basic_ack(m.delivery_tag)
+
+    sch.basic_consume("rpc.dr", serve)
+    requester = connect(brokers, 1)
+    rch = requester.channel()
+    answers: dict[str, bytes] = {}
+    rch.basic_consume(
+        "amq.rabbitmq.reply-to",
+        lambda _c, _m, p, body: answers.__setitem__(p.correlation_id, body),
+        auto_ack=True,
+    )
+    for i in range(20):
+        props = pika.BasicProperties(reply_to="amq.rabbitmq.reply-to", correlation_id=str(i))
+        rch.basic_publish("", "rpc.dr", b"q%d" % i, props)
+    deadline = time.monotonic() + 15
+    while len(answers) < 20:
+        assert time.monotonic() < deadline, f"{len(answers)} answers"
+        for c in (server, requester):
+            c.process_data_events(0.02)
+    assert answers == {str(i): b"Q%d" % i for i in range(20)}
+    brokers.converged([1, 2, 3])
+    requester.close()
+    brokers.converged([1, 2, 3])
+    for n in (1, 2, 3):
+        assert not [q for q in queues(brokers, n) if "amq.rabbitmq.reply-to" in q]
 
 
 def test_a_priority_queue_hands_out_one_order_through_every_member(brokers: BrokerSet) -> None:

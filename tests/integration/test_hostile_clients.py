@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from brokerclients import ConfirmingPublisher
+from brokerclients import ConfirmingPublisher, drain_queue
 from pamqp import commands as C
 from pamqp import frame as pframe
 from pamqp import header as H
@@ -192,4 +192,7 @@ def test_hostile_clients_get_the_spec_reply_and_cost_the_cluster_nothing(
             checks,
         )
     bs.converged([1, 2, 3])
-    assert len(confirmed) > 50 * len(CASES)
+    # Confirms went on through every case (checked after each above; how many in all is a
+    # matter of the machine's speed: bench/ measures rates), and every confirmed message is
+    # there, in order, on another member than it was published on.
+    assert drain_queue(bs, 3, "hostile-load") == confirmed

@@ -19,7 +19,7 @@ from typing import Any
 import pika
 import pika.exceptions
 import pytest
-from brokerclients import connect
+from brokerclients import connect, management
 
 from cpgbroker.dev.brokers import BrokerSet
 
@@ -226,6 +226,64 @@ def test_confirmed_persistent_messages_survive_kill_9_of_every_member(stored: Br
         check=True,
     ).stdout
     assert "store: " in shown and "fsync always" in shown and "durable event" in shown
+
+
+def test_operators_changes_survive_kill_9_of_every_member(stored: BrokerSet) -> None:
+    """Users, vhosts, permissions, policies and federation upstreams changed at runtime through
+    the management API: once a change is answered it is stored on every member, so killing all
+    of them with SIGKILL the moment after loses none of it (and a deleted user stays deleted)."""
+    bs = stored
+
+    def api(node: int, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        return management(bs, node, method, path, f"Bearer {bs.admin_target(node).secret}", body)
+
+    assert (
+        api(2, "PUT", "/api/users/ops", {"password": "s3cret", "tags": "administrator"})[0] == 201
+    )
+    assert api(3, "PUT", "/api/users/gone", {"password": "x", "tags": ""})[0] == 201
+    assert api(1, "PUT", "/api/vhosts/prod")[0] == 201
+    perms = {"configure": ".*", "write": ".*", "read": ".*"}
+    assert api(1, "PUT", "/api/permissions/prod/ops", perms)[0] == 201
+    policy = {"pattern": "^capped$", "apply-to": "queues", "definition": {"max-length": 2}}
+    assert api(2, "PUT", "/api/policies/%2F/cap", policy)[0] == 201
+    upstream = {"value": {"uri": "amqp://127.0.0.1:1/", "ack-mode": "on-publish"}}
+    assert api(3, "PUT", "/api/parameters/federation-upstream/%2F/far", upstream)[0] == 201
+    c = connect(bs, 1)
+    ch = c.channel()
+    ch.confirm_delivery()
+    ch.queue_declare("capped", durable=True)
+    for i in range(5):
+        ch.basic_publish("", "capped", b"%d" % i, PERSISTENT)
+    c.close()
+    # The last change, answered, then every member killed at once.
+    assert api(1, "DELETE", "/api/users/gone")[0] == 204
+    _kill_all(bs)
+    _restart(bs, [3, 2, 1])
+    bs.converged([1, 2, 3])
+    for n in (1, 2, 3):
+        assert api(n, "GET", "/api/users/ops")[1]["tags"] == ["administrator"]
+        assert api(n, "GET", "/api/users/gone")[0] == 404
+        assert api(n, "GET", "/api/policies/%2F/cap")[1]["definition"] == {"max-length": 2}
+        got = api(n, "GET", "/api/parameters/federation-upstream/%2F/far")[1]
+        assert got["value"]["ack-mode"] == "on-publish", got
+    # The restored user logs in to the restored vhost with the password it was given; another
+    # password is refused; the policy still caps the queue.
+    port = bs.ports[2][0]
+    login = pika.BlockingConnection(
+        pika.URLParameters(f"amqp://ops:s3cret@127.0.0.1:{port}/prod?connection_attempts=1")
+    )
+    login.channel().queue_declare("in-prod")
+    login.close()
+    with pytest.raises(pika.exceptions.ProbableAuthenticationError):
+        pika.BlockingConnection(
+            pika.URLParameters(f"amqp://ops:wrong@127.0.0.1:{port}/prod?connection_attempts=1")
+        )
+    c = connect(bs, 3)
+    ch = c.channel()
+    ch.confirm_delivery()
+    ch.basic_publish("", "capped", b"5", PERSISTENT)
+    c.close()
+    assert [b for b, _r in _get_all(bs, 2, "capped")] == [b"4", b"5"]
 
 
 def test_a_cluster_stop_and_start_keeps_queues_exchanges_and_messages(stored: BrokerSet) -> None:

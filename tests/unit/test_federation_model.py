@@ -270,3 +270,59 @@ def test_the_window_forgets_the_oldest() -> None:
     assert list(seen.digests) == [b"b", b"c", b"d"]
     assert seen.fresh(b"a", True)  # forgotten: forwarded again rather than lost
     assert not seen.fresh(b"c", True)
+
+
+def test_a_pushing_link_queues_local_publishes_until_the_upstream_confirmed_them() -> None:
+    h = Harness()
+    ops = Ops(h, member=1)
+    value = {"uri": "amqp://10.0.0.1/", "push": True}
+    assert ops(
+        "put_parameter", component="federation-upstream", vhost="/", name="central", value=value
+    ) == (201, None)
+    assert h.broker.federation.all()[0].push
+    ops("put_exchange", vhost="/", name="events", type="topic", durable=True)
+    ops("put_queue", vhost="/", name="sink")
+    ops("bind", vhost="/", source="events", destination="sink", destination_type="q",
+        routing_key="a.*")  # fmt: skip
+    ops("put_policy", vhost="/", name="fed", pattern="^events$",
+        definition={"federation-upstream": "central"}, **{"apply-to": "exchanges"})  # fmt: skip
+    (link,) = h.broker.federation.links(h.broker.vhosts, h.broker.policies.definition_of)
+    assert link.push_queue == "federation-push: events -> central"
+    # Before the link's runner declared its push queue, nothing is kept for the upstream.
+    c = h.connect(1)
+    c.handshake()
+    c.channel()
+    c.publish(1, "events", "a.early", b"early")
+    assert ops("put_queue", vhost="/", name=link.push_queue, durable=True)[0] == 201
+    push = h.broker.vhosts["/"].queues[link.push_queue]
+    assert len(push.messages) == 0
+    # A client's publish and an operator's go to the push queue too, whatever their routing
+    # key (as if bound with every key); one the link brought in from upstream does not.
+    c.publish(1, "events", "a.x", b"one")
+    c.publish(1, "events", "unbound", b"two")
+    ops("publish", vhost="/", name="events", routing_key="b.y", payload="three",
+        payload_encoding="string", properties={})  # fmt: skip
+    h.apply(Forward(1, 500, "/", "events", "central", (("a.up", _header(4), b"from", b"", False),)))
+    assert [e.msg.body for e in push.messages] == [b"one", b"two", b"three"]
+    sink = h.broker.vhosts["/"].queues["sink"]
+    assert [e.msg.body for e in sink.messages] == [b"early", b"one", b"from"]
+    # The upstream confirmed the first two: they leave; only a member may say so.
+    first_two = push.messages[1].msg.id
+    args = {"vhost": "/", "exchange": "events", "upstream": "central", "upto": first_two}
+    assert ops("federation_pushed", as_user="guest", **args)[0] == 401
+    assert ops("federation_pushed", **args) == (200, {"removed": 2})
+    assert [e.msg.body for e in push.messages] == [b"three"]
+    assert push.ready_bytes == len(b"three")
+    assert ops("federation_pushed", **{**args, "upstream": "nope"})[0] == 404
+    # The push flag, and what waits, are in snapshots.
+    restored = snapshot.restore(snapshot.snapshot(h.broker))
+    assert snapshot.digest(restored) == snapshot.digest(h.broker)
+    assert restored.federation.all()[0].push
+    assert [e.msg.body for e in restored.vhosts["/"].queues[link.push_queue].messages] == [b"three"]
+    # An upstream without push keeps nothing here.
+    ops("put_parameter", component="federation-upstream", vhost="/", name="central",
+        value={"uri": "amqp://10.0.0.1/"})  # fmt: skip
+    c.publish(1, "events", "a.z", b"four")
+    assert [e.msg.body for e in push.messages] == [b"three"]
+    assert ops("put_parameter", component="federation-upstream", vhost="/", name="x",
+               value={"uri": "amqp://h/", "push": "yes"})[0] == 400  # fmt: skip

@@ -13,6 +13,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,14 +30,30 @@ from cpgbroker.runtime import secret as admin_secret
 PROCESS = "broker"
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports. The probe sockets stay open until all are chosen:
-    probing one at a time can return the same port twice."""
-    socks = []
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (where outgoing connections get theirs)."""
     try:
-        for _ in range(n):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports, below the kernel's ephemeral range: a port the
+    kernel handed out (bind to port 0) can be taken as the local port of any outgoing
+    connection (a client, another test) before the broker binds it, and the broker then fails
+    with "Address already in use". The probe sockets stay open until all are chosen."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    socks: list[socket.socket] = []
+    try:
+        while len(socks) < n:
             s = socket.socket()
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", rng.randrange(10000, max(low, 10001))))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
         return [int(s.getsockname()[1]) for s in socks]
     finally:

@@ -51,7 +51,12 @@ from cpgbroker.model.connection import Connections
 from cpgbroker.model.consumers import Consumers
 from cpgbroker.model.delivery import Delivery
 from cpgbroker.model.events import AdminCommand, AdminReply, Forward
-from cpgbroker.model.federation import UPSTREAM, Federation, upstream_from_value
+from cpgbroker.model.federation import (
+    UPSTREAM,
+    Federation,
+    push_queue_name,
+    upstream_from_value,
+)
 from cpgbroker.model.output import Output
 from cpgbroker.model.permissions import TRUSTED, Permissions
 from cpgbroker.model.policies import Policies, escaped_term, validate
@@ -117,6 +122,7 @@ class Admin:
             "put_parameter": self.put_parameter,
             "delete_parameter": self.delete_parameter,
             "federation_status": self.federation_status,
+            "federation_pushed": self.federation_pushed,
         }
 
     def apply(self, e: AdminCommand) -> None:
@@ -342,6 +348,25 @@ class Admin:
         self._federation.report(key, state)
         return 204, None
 
+    def federation_pushed(self, args: dict[str, Any], who: str) -> Answer:
+        """A pushing link's upstream confirmed the messages at the head of its push queue up
+        to message ``upto``: they leave it (runtime/federation.py). Only a member asks."""
+        if who != TRUSTED:
+            raise AdminError(401, "not_authorised", "Access refused.")
+        vhost, exchange = text_arg(args, "vhost"), text_arg(args, "exchange")
+        upto = args.get("upto")
+        if isinstance(upto, bool) or not isinstance(upto, int):
+            raise bad_request("upto must be an integer")
+        vh = self._topology.vhosts.get(vhost)
+        q = (
+            None
+            if vh is None
+            else vh.queues.get(push_queue_name(exchange, text_arg(args, "upstream")))
+        )
+        if q is None:
+            raise not_found()
+        return 200, {"removed": self._consumers.settle_head(q, upto)}
+
     def forward(self, e: Forward) -> None:
         """Messages a federation link brought in: published into the local exchange, each
         as the management API's publish is (routed, enqueued, dispatched; no confirm of its
@@ -363,7 +388,7 @@ class Admin:
                     parse_content_header(header)
                 except ValueError:
                     continue
-                if publish(vh, ex, rk, header, body):
+                if publish(vh, ex, rk, header, body, local=False):
                     routed += 1
         answer = {"routed": routed, "duplicates": duplicates}
         self._out.effect(AdminReply(e.member, e.ticket, status, answer))

@@ -63,7 +63,7 @@ from cpgbroker.model.confirms import Confirms
 from cpgbroker.model.connection import Connections
 from cpgbroker.model.consumers import Consumers
 from cpgbroker.model.delivery import Delivery
-from cpgbroker.model.entities import Connection
+from cpgbroker.model.entities import Connection, Queue
 from cpgbroker.model.events import (
     AdminCommand,
     ClientConnected,
@@ -80,6 +80,7 @@ from cpgbroker.model.events import (
     Recovered,
     Tick,
 )
+from cpgbroker.model.exchange import Exchange
 from cpgbroker.model.federation import Federation
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output
@@ -137,6 +138,7 @@ class Broker:
             self.permissions,
         )
         self.topology.on_failover_bind = self.delivery.publish_members
+        self.delivery.push_to = self._push_queues
         self.consumers = Consumers(
             self.clock, self.out, self.mark, self.topology, self.delivery, self.permissions
         )
@@ -180,6 +182,10 @@ class Broker:
         self._on_data = self.conns.on_data
         self._on_do_output = self.delivery.on_do_output
         self._flush = self.out.flush
+
+    def _push_queues(self, vh: VHost, ex: Exchange) -> list[Queue]:
+        """Where a local publish to ``ex`` also goes: its pushing links' queues."""
+        return self.federation.push_queues(vh, ex, self.policies.definition_of(ex))
 
     # ------------------------------------------------------------------ entry point
 

@@ -48,7 +48,7 @@ from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output
 from cpgbroker.model.permissions import READ, Permissions
 from cpgbroker.model.queueargs import amqp_type
-from cpgbroker.model.topology import Topology, generated_name
+from cpgbroker.model.topology import DIRECT_REPLY, Topology, generated_name, reply_queue_of
 from cpgbroker.wire import fastpath as fp
 
 R = ReplyCode
@@ -129,6 +129,9 @@ class Consumers:
         self._delivery.dispatch_channel(ch)
 
     def b_consume(self, conn: Connection, ch: Channel, m: Any) -> None:
+        if m.queue == DIRECT_REPLY:
+            self._reply_consume(conn, ch, m)
+            return
         name = self._topology.queue_name(conn, ch, m.queue)
         self._permissions.check(conn, READ, "queue", name)
         q = self._topology.queue(conn, ch, name)
@@ -154,7 +157,24 @@ class Consumers:
                 f"invalid arg 'x-priority' for queue '{q.name}' in vhost '{q.vhost}': "
                 f'"expected integer, got {amqp_type(prio)}"',
             )
-        c = Consumer(tag, q, ch, m.no_ack, m.exclusive, ch.prefetch_count, args)
+        self._add(conn, ch, Consumer(tag, q, ch, m.no_ack, m.exclusive, ch.prefetch_count, args), m)
+
+    def _reply_consume(self, conn: Connection, ch: Channel, m: Any) -> None:
+        """RabbitMQ's direct reply-to (model/topology.py, ``DIRECT_REPLY``): one no-ack
+        consumer per channel, of a queue made for it, with RabbitMQ's refusals."""
+        tag = m.consumer_tag or generated_name(conn, "amq.ctag-")
+        if tag in ch.consumers:
+            raise ConnectionError_(R.NOT_ALLOWED, f"attempt to reuse consumer tag '{tag}'")
+        if not m.no_ack:
+            raise ChannelError(R.PRECONDITION_FAILED, "reply consumer cannot acknowledge")
+        if reply_queue_of(ch) is not None:
+            raise ChannelError(R.PRECONDITION_FAILED, "reply consumer already set")
+        q = self._topology.reply_queue(conn)
+        self._add(conn, ch, Consumer(tag, q, ch, True, False, ch.prefetch_count, {}), m)
+
+    def _add(self, conn: Connection, ch: Channel, c: Consumer, m: Any) -> None:
+        """Register ``c`` on its channel and queue, answer, and deliver what is ready."""
+        tag, q, consumers = c.tag, c.queue, c.queue.consumers
         ch.consumers[tag] = c
         if consumers:
             c.qseq = consumers[-1].qseq + 1
@@ -339,6 +359,20 @@ class Consumers:
                 self._release(q, e)
         self._dispatch(q)
         return taken
+
+    def settle_head(self, q: Queue, upto: int) -> int:
+        """The messages at ``q``'s head up to message id ``upto`` leave it for good, as if
+        acknowledged (a pushing federation link's upstream confirmed them); how many."""
+        msgs = q.messages
+        n = 0
+        while msgs and msgs[0].msg.id <= upto:
+            self._release(q, msgs.popleft())
+            n += 1
+        if n:
+            q.delivered_total += n
+            if q.ttl_order >= 0:
+                self._topology.ttl_queues.note(q)
+        return n
 
     # ------------------------------------------------------------------ acknowledgements
 

@@ -30,7 +30,7 @@ collaborators as bound methods and encode deliveries straight into ``Connection.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from pamqp import commands
@@ -56,7 +56,7 @@ from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output, basic_return
 from cpgbroker.model.permissions import Permissions
 from cpgbroker.model.queueflow import QueueFlow
-from cpgbroker.model.topology import FAILOVER_EXCHANGE, VHost
+from cpgbroker.model.topology import FAILOVER_EXCHANGE, VHost, reply_queue_of
 from cpgbroker.model.ttlindex import TtlQueues
 from cpgbroker.model.validate import dead_letter_problem
 from cpgbroker.wire.fastpath import (
@@ -108,6 +108,7 @@ class Delivery:
         "_ttl_queues",
         "_vhosts",
         "msg_seq",
+        "push_to",
     )
 
     def __init__(
@@ -141,6 +142,9 @@ class Delivery:
         self._release = mark.release
         self._confirm_publish = confirms.published
         self._permissions = permissions
+        # The push queues of a federated exchange (model/federation.py; set by the broker):
+        # local publishes to it also go there, to be sent upstream.
+        self.push_to: Callable[[VHost, Exchange], list[Queue]] | None = None
         # The write check's results (permissions.py): a hit is the whole per-message cost.
         self._published = permissions.published
 
@@ -266,6 +270,21 @@ class Delivery:
                 class_id=60,
                 method_id=40,
             )
+        at = info.direct_reply_at
+        if at >= 0:
+            # Direct reply-to (model/topology.py): the answer's address is this channel's own
+            # reply queue, spliced into the client's header bytes in place of the pseudo-queue
+            # (the headers table, whose span the message keeps, comes before reply-to).
+            rq = reply_queue_of(ch)
+            if rq is None:
+                raise ChannelError(
+                    R.PRECONDITION_FAILED,
+                    "fast reply consumer does not exist",
+                    class_id=60,
+                    method_id=40,
+                )
+            name = rq.name.encode()
+            header = header[:at] + bytes((len(name),)) + name + header[at + 1 + 21 :]
         expiration_ms: int | None = None
         if info.expiration is not None:
             exp = info.expiration
@@ -348,12 +367,20 @@ class Delivery:
             self.dispatch(q)
 
     def publish_admin(
-        self, vh: VHost, ex: Exchange, routing_key: str, header: bytes, body: bytes
+        self,
+        vh: VHost,
+        ex: Exchange,
+        routing_key: str,
+        header: bytes,
+        body: bytes,
+        *,
+        local: bool = True,
     ) -> bool:
         """A message published through the management API (``POST /api/exchanges/{vhost}/
         {name}/publish``; the caller checked the user's write permission and the exchange):
         routed and enqueued as a client's would be; whether it reached a queue. It has no
-        confirm, transaction, return or publisher to hold back."""
+        confirm, transaction, return or publisher to hold back. Not ``local``: brought in by
+        a federation link, so never pushed back upstream."""
         info = parse_content_header(header)
         self.msg_seq += 1
         msg = Message(
@@ -366,7 +393,7 @@ class Delivery:
             None if info.expiration is None else int(info.expiration),
             info.headers_span,
         )
-        queues = self.route(vh, ex, routing_key, msg)
+        queues = self.route(vh, ex, routing_key, msg, push=local)
         for q in queues:
             if self.enqueue(q, Entry(msg, False, None)):
                 self.dispatch(q)
@@ -391,7 +418,14 @@ class Delivery:
     # ------------------------------------------------------------------ routing and queues
 
     def route(
-        self, vh: VHost, ex: Exchange, rk: str, msg: Message, seen: list[Exchange] | None = None
+        self,
+        vh: VHost,
+        ex: Exchange,
+        rk: str,
+        msg: Message,
+        seen: list[Exchange] | None = None,
+        *,
+        push: bool = True,
     ) -> list[Queue]:
         if ex.name == "":
             q = vh.queues.get(rk)
@@ -401,6 +435,7 @@ class Delivery:
         found: dict[int, Queue] = {}
         visited: dict[int, None] = {id(ex): None}
         pending = [ex]
+        push_to = self.push_to if push else None
         i = 0
         while i < len(pending):
             cur = pending[i]
@@ -412,6 +447,11 @@ class Delivery:
                 elif id(dest) not in visited:
                     visited[id(dest)] = None
                     pending.append(dest)
+            if push_to is not None and cur.policy is not None:
+                # A federated exchange that pushes upstream: as if bound to its push queues.
+                for q in push_to(vh, cur):
+                    if id(q) not in found:
+                        found[id(q)] = q
         if not found:
             ae_name = ex.alternate
             if ae_name is not None:
@@ -421,7 +461,7 @@ class Delivery:
                 seen = [ex] if seen is None else seen
                 if ae is not None and ae not in seen:
                     seen.append(ae)
-                    return self.route(vh, ae, rk, msg, seen)
+                    return self.route(vh, ae, rk, msg, seen, push=push)
         return list(found.values())
 
     def enqueue(self, q: Queue, e: Entry) -> bool:

@@ -59,6 +59,10 @@ class Upstream:
     # be down before the upstream stops buffering for it.
     expires: int | None = None
     message_ttl: int | None = None
+    # Also send what is published here to the upstream (ours, not RabbitMQ's: its federation
+    # only pulls): local publishes to a federated exchange wait in its push queue
+    # (:func:`push_queue_name`) until the upstream confirmed them.
+    push: bool = False
 
     def value(self) -> dict[str, Any]:
         """As RabbitMQ shows a federation-upstream parameter's value."""
@@ -75,6 +79,8 @@ class Upstream:
             out["expires"] = self.expires
         if self.message_ttl is not None:
             out["message-ttl"] = self.message_ttl
+        if self.push:
+            out["push"] = True
         return out
 
 
@@ -112,6 +118,9 @@ def upstream_from_value(vhost: str, name: str, value: Any) -> Upstream | str:
     exchange = value.get("exchange", "")
     if not isinstance(exchange, str):
         return "exchange must be a string"
+    push = value.get("push", False)
+    if not isinstance(push, bool):
+        return "push must be true or false"
     assert max_hops is not None and prefetch is not None and delay is not None
     return Upstream(
         vhost,
@@ -124,6 +133,7 @@ def upstream_from_value(vhost: str, name: str, value: Any) -> Upstream | str:
         delay,
         expires,
         ttl,
+        push,
     )
 
 
@@ -142,6 +152,16 @@ class Link:
     @property
     def upstream_exchange(self) -> str:
         return self.upstream.exchange or self.exchange
+
+    @property
+    def push_queue(self) -> str:
+        return push_queue_name(self.exchange, self.upstream.name)
+
+
+def push_queue_name(exchange: str, upstream: str) -> str:
+    """The local queue where a pushing link's messages wait for the upstream's confirm: an
+    ordinary durable queue (replicated, stored, shown), declared by the link's runner."""
+    return f"federation-push: {exchange} -> {upstream}"
 
 
 # How many of a link's latest messages are remembered, to recognise the upstream's
@@ -247,6 +267,21 @@ class Federation:
         if definition.get(UPSTREAM_SET) == "all":
             return list(ups.values())
         return []
+
+    def push_queues(self, vh: Any, ex: Any, definition: dict[str, Any]) -> list[Any]:
+        """The push queues of ``ex``'s pushing links that exist (routing adds them to a
+        local publish's destinations: model/delivery.py). ``definition``: the definition of
+        the policy that applies to ``ex``."""
+        ups = self.upstreams.get(vh.name)
+        if not ups:
+            return []
+        out = []
+        for u in self._upstreams_for(ups, definition):
+            if u.push:
+                q = vh.queues.get(push_queue_name(ex.name, u.name))
+                if q is not None:
+                    out.append(q)
+        return out
 
     def report(self, key: tuple[str, str, str], state: dict[str, Any]) -> None:
         self.status[key] = state

@@ -340,6 +340,7 @@ def _head(b: Broker, queues: list[Queue]) -> dict[str, Any]:
                     u.reconnect_delay_s,
                     u.expires,
                     u.message_ttl,
+                    *([True] if u.push else []),
                 ]
                 for u in fed.all()
             ],

@@ -67,6 +67,14 @@ FAILOVER_EXCHANGE = "amq.failover"
 # status exchange; runtime/federation.py publishes to an upstream's): made in every vhost of
 # a cluster that has a federation server id.
 PEER_EXCHANGE = "amq.peer"
+# RabbitMQ's direct reply-to: a channel consumes this pseudo-queue (no-ack), and a publish on
+# that channel whose reply-to names it gets the name of a queue of the channel's own,
+# ``amq.rabbitmq.reply-to.<suffix>``, to which whoever answers publishes (default exchange).
+# Here that queue is real (replicated like any other, so an answer from a client of any member
+# arrives), but no client can see it except by a passive declare, and it goes with its
+# consumer (auto-delete).
+DIRECT_REPLY = "amq.rabbitmq.reply-to"
+REPLY_PREFIX = DIRECT_REPLY + "."
 
 PREDECLARED = (
     ("amq.direct", "direct"),
@@ -242,13 +250,33 @@ class Topology:
             return ch.last_queue
         return name
 
-    def queue(self, conn: Connection, ch: Channel, name: str) -> Queue:
+    def queue(self, conn: Connection, ch: Channel, name: str, *, reply_ok: bool = False) -> Queue:
+        """The queue ``name`` of ``conn``'s vhost, for a client's operation on it. A direct
+        reply-to queue is not there for anything but a passive declare (``reply_ok``), as in
+        RabbitMQ, where it is no queue at all: nobody consumes another channel's answers."""
         vh = self.vhosts[conn.vhost]
         name = self.queue_name(conn, ch, name)
         q = vh.queues.get(name)
-        if q is None:
+        if q is None or (not reply_ok and name.startswith(REPLY_PREFIX)):
             raise ChannelError(R.NOT_FOUND, f"no queue '{name}' in vhost '{vh.name}'")
         check_exclusive(conn, q)
+        return q
+
+    def reply_queue(self, conn: Connection) -> Queue:
+        """A new direct reply-to queue for a channel of ``conn`` (module constants): auto-delete,
+        so it goes when its one consumer is cancelled or its channel or connection closes."""
+        vh = self.vhosts[conn.vhost]
+        name = generated_name(conn, REPLY_PREFIX)
+        q = Queue(
+            name=name,
+            vhost=vh.name,
+            durable=False,
+            exclusive_owner=None,
+            auto_delete=True,
+            arguments={},
+            last_used_ms=self._clock.now_ms,
+        )
+        vh.queues[name] = q
         return q
 
     def exchange(self, conn: Connection, name: str) -> Exchange:
@@ -398,7 +426,7 @@ class Topology:
                     R.NOT_FOUND, f"no previously declared queue in vhost '{vh.name}'"
                 )
             self._permissions.check_any(conn, "queue", name)
-            q = self.queue(conn, ch, name)
+            q = self.queue(conn, ch, name, reply_ok=True)
         else:
             if name.startswith("amq.") and name not in vh.queues:
                 raise ChannelError(
@@ -674,6 +702,14 @@ def check_exclusive(conn: Connection, q: Queue, exclusive: bool | None = None) -
             f"'{q.vhost}'. It could be originally declared on another connection or the "
             "exclusive property value does not match that of the original declaration.",
         )
+
+
+def reply_queue_of(ch: Channel) -> Queue | None:
+    """The direct reply-to queue ``ch`` consumes, if any (a channel has at most one)."""
+    for c in ch.consumers.values():
+        if c.queue.name.startswith(REPLY_PREFIX):
+            return c.queue
+    return None
 
 
 def generated_name(conn: Connection, prefix: str) -> str:

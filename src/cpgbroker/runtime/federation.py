@@ -92,6 +92,8 @@ SETTLE_TIMEOUT = 60.0
 # How often a running link refreshes its reported counters, and announces itself upstream.
 REPORT_EVERY = 5.0
 ANNOUNCE_EVERY = 30.0
+# How often a pushing link looks at its push queue when it found it empty.
+PUSH_POLL = 0.005
 
 
 def client_context(tls: TlsConfig | None) -> ssl.SSLContext | None:
@@ -179,6 +181,8 @@ class LinkState:
         self.too_large = 0
         self.duplicates = 0
         self.upstream_queue_messages: int | None = None
+        # A pushing link: local publishes sent upstream (and confirmed there).
+        self.pushed = 0
 
     def as_dict(self, member: int) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -197,6 +201,8 @@ class LinkState:
             out["too_large"] = self.too_large
         if self.duplicates:
             out["duplicates_dropped"] = self.duplicates
+        if self.pushed:
+            out["pushed"] = self.pushed
         return out
 
 
@@ -319,6 +325,16 @@ class FederationLinks:
         if link.upstream.max_hops > 1 and not self.server_id:
             # Past one hop, loops are caught by name: this cluster must have one.
             raise LinkRefused("max-hops above 1 needs [federation] server_id on this cluster")
+        if link.upstream.push and vh is not None and link.push_queue not in vh.queues:
+            # Before connecting: local publishes wait there while the upstream is away.
+            status, answer = await self._desk.request(
+                TRUSTED,
+                "put_queue",
+                {"vhost": link.vhost, "name": link.push_queue, "durable": True},
+                SETTLE_TIMEOUT,
+            )
+            if status >= 300:
+                raise LinkRefused(f"cannot declare the push queue: {status} {answer}")
         our_id = self.name
         client = await AmqpClient.connect(
             uri,
@@ -365,6 +381,8 @@ class FederationLinks:
                 nursery.start_soon(self._keep_bindings, ch, link, qname, bound)
                 nursery.start_soon(self._keep_reporting, ch, link, qname, state)
                 nursery.start_soon(self._announce, client, link, state)
+                if up.push:
+                    nursery.start_soon(self._push, client, link, upstream_name, state)
                 await self._forward(link, ch, deliveries, upstream_name, uri, state, no_ack)
                 nursery.cancel_scope.cancel()
 
@@ -394,14 +412,15 @@ class FederationLinks:
                 await self._sync_bindings(ch, link, qname, bound)
 
     async def _keep_reporting(self, ch: Any, link: Link, qname: str, state: LinkState) -> None:
-        reported = state.forwarded
+        reported = (state.forwarded, state.pushed)
         while True:
             await trio.sleep(REPORT_EVERY)
             _, depth, _ = await ch.queue_declare(qname, passive=True)
-            changed = depth != state.upstream_queue_messages or state.forwarded != reported
+            now = (state.forwarded, state.pushed)
+            changed = depth != state.upstream_queue_messages or now != reported
             state.upstream_queue_messages = depth
             if changed:
-                reported = state.forwarded
+                reported = now
                 await self._report(link, state)
 
     async def _announce(self, client: AmqpClient, link: Link, state: LinkState) -> None:
@@ -507,6 +526,79 @@ class FederationLinks:
                 state.forwarded += len(messages) - answer["duplicates"]
             if not acked:
                 await ch.ack(last_tag, multiple=True)
+
+    def _push_batch(self, link: Link) -> list[tuple[int, str, bytes, bytes]]:
+        """The head of the link's push queue, as this member's replica has it: (message id,
+        routing key, content header, body), at most a batch's bytes and the prefetch count."""
+        vh = self._replica().vhosts.get(link.vhost)
+        q = None if vh is None else vh.queues.get(link.push_queue)
+        out: list[tuple[int, str, bytes, bytes]] = []
+        if q is None:
+            return out
+        size = 0
+        limit = link.upstream.prefetch_count
+        for e in q.messages:
+            m = e.msg
+            out.append((m.id, m.routing_key, m.header, m.body))
+            size += len(m.body)
+            if size >= BATCH_BYTES or len(out) >= limit:
+                break
+        return out
+
+    async def _push(
+        self, client: AmqpClient, link: Link, upstream_name: str, state: LinkState
+    ) -> None:
+        """Send local publishes upstream: the head of the push queue, published to the upstream
+        exchange with confirms, then removed here by an ordered command once the upstream
+        confirmed it. A runner that dies in between leaves them in the queue, and the next one
+        sends them again (at least once: the upstream may get a message twice, never none).
+        A message that was at the upstream already, or crossed ``max-hops`` clusters, is
+        removed without being sent (mutually pushing clusters do not loop)."""
+        ch = await client.channel()
+        await ch.confirm_select()
+        hop: dict[str, Any] = {
+            "exchange": link.exchange,
+            "cluster-name": self.name,
+            "redelivered": False,
+        }
+        max_hops = link.upstream.max_hops
+        while True:
+            batch = self._push_batch(link)
+            if not batch:
+                await trio.sleep(PUSH_POLL)
+                continue
+            confirms = []
+            for _, rk, header, body in batch:
+                ch_header = pheader.ContentHeader()
+                ch_header.unmarshal(header)
+                props = ch_header.properties
+                headers = dict(props.headers or {})
+                seen = headers.get(RECEIVED_FROM)
+                seen = list(seen) if isinstance(seen, list) else []
+                names = [x.get("cluster-name") for x in seen if isinstance(x, dict)]
+                if upstream_name in names or len(seen) >= max_hops:
+                    state.dropped_loops += 1
+                    continue
+                headers[RECEIVED_FROM] = [*seen, hop]
+                props.headers = headers
+                confirms.append(await ch.publish(link.upstream_exchange, rk, body, props))
+            for c in confirms:
+                if c is not None and not await c.wait():
+                    raise LinkRefused("the upstream refused a pushed message (nack)")
+            status, _ = await self._desk.request(
+                TRUSTED,
+                "federation_pushed",
+                {
+                    "vhost": link.vhost,
+                    "exchange": link.exchange,
+                    "upstream": link.upstream.name,
+                    "upto": batch[-1][0],
+                },
+                SETTLE_TIMEOUT,
+            )
+            if status != 200:
+                raise LinkRefused(f"the push queue is gone ({status})")
+            state.pushed += len(confirms)
 
 
 class LinkRefused(CpgBrokerError):

@@ -157,6 +157,7 @@ _UPSTREAM_KEYS = {
     "reconnect_delay": "reconnect-delay",
     "expires": "expires",
     "message_ttl": "message-ttl",
+    "push": "push",
 }
 
 

@@ -240,7 +240,15 @@ FLAG_CLUSTER_ID = 1 << 2
 class HeaderInfo:
     """What the broker needs from a content header; the rest stays in the client's bytes."""
 
-    __slots__ = ("body_size", "class_id", "delivery_mode", "expiration", "headers_span", "user_id")
+    __slots__ = (
+        "body_size",
+        "class_id",
+        "delivery_mode",
+        "direct_reply_at",
+        "expiration",
+        "headers_span",
+        "user_id",
+    )
 
     def __init__(
         self,
@@ -250,6 +258,7 @@ class HeaderInfo:
         expiration: str | None,
         user_id: str | None,
         headers_span: tuple[int, int] | None,
+        direct_reply_at: int = -1,
     ) -> None:
         self.class_id = class_id
         self.body_size = body_size
@@ -257,6 +266,9 @@ class HeaderInfo:
         self.expiration = expiration
         self.user_id = user_id
         self.headers_span = headers_span
+        # Where the reply-to property starts (its length byte) when it is exactly RabbitMQ's
+        # direct reply-to pseudo-queue, which the broker replaces; else -1.
+        self.direct_reply_at = direct_reply_at
 
 
 def header_priority(payload: bytes) -> int:
@@ -368,6 +380,9 @@ def _check_short_strings(payload: bytes, flags: int) -> None:
             p += 1
 
 
+_DIRECT_REPLY = b"amq.rabbitmq.reply-to"
+
+
 def parse_content_header(payload: bytes) -> HeaderInfo:
     """Walk the property list once, picking out the few fields routing and expiry need, and
     check everything that pamqp will later decode (dead-lettering, quorum redelivery, headers
@@ -403,8 +418,12 @@ def parse_content_header(payload: bytes) -> HeaderInfo:
         p += 1
     if flags & FLAG_CORRELATION_ID:
         p += 1 + payload[p]
+    direct_reply_at = -1
     if flags & FLAG_REPLY_TO:
-        p += 1 + payload[p]
+        m = payload[p]
+        if m == len(_DIRECT_REPLY) and payload[p + 1 : p + 1 + m] == _DIRECT_REPLY:
+            direct_reply_at = p
+        p += 1 + m
     if flags & FLAG_EXPIRATION:
         m = payload[p]
         expiration = payload[p + 1 : p + 1 + m].decode()
@@ -433,4 +452,6 @@ def parse_content_header(payload: bytes) -> HeaderInfo:
         # One test instead of one per string: the usual header (content-type, delivery-mode)
         # is all ASCII and needs no UTF-8 check.
         _check_short_strings(payload, flags)
-    return HeaderInfo(class_id, body_size, delivery_mode, expiration, user_id, headers_span)
+    return HeaderInfo(
+        class_id, body_size, delivery_mode, expiration, user_id, headers_span, direct_reply_at
+    )
