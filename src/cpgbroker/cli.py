@@ -325,6 +325,11 @@ def _status(target: AdminTarget, as_json: bool) -> int:
         print(
             f"member: {data['member']}  url: {data.get('url')}  clock: {data.get('clock_master')}"
         )
+        if data.get("mode") == "hot-standby":
+            print(
+                f"mode: hot-standby  this member: {data.get('role')}  "
+                f"primary: member {data.get('primary')} {data.get('primary_url') or ''}"
+            )
         for m in data.get("members", []):
             print(f"  member {m['member']}  {m['status']:8}  {m['url']}")
         cp = data.get("checkpoint")

@@ -120,7 +120,9 @@ class Membership:
         self.config_digest = config_digest
         self.url = url
         self.state = JOINING
-        # Current CPG members in the order the stream revealed them (dict: deterministic).
+        # Current CPG members: the members that started the cluster in id order, then the
+        # others in the order the stream revealed them, except that a member that becomes ready
+        # after the others goes to the end (the same on every ready member).
         self.members: dict[int, MemberInfo] = {}
         self.joined = False
 
@@ -228,8 +230,12 @@ class Membership:
         if self.state == READY:
             if h.status == STATUS_READY and info.status != STATUS_READY:
                 # A member that caught up through a state update starts serving here: its URL
-                # joins the list clients fail over to, at the same point on every member.
+                # joins the list clients fail over to, at the same point on every member. It
+                # moves to the end of the order, so the ready members stand in the order they
+                # became ready: the first is the one that has served longest (the hot-standby
+                # primary, runtime/standby.py), and one that comes back never displaces it.
                 info.status = STATUS_READY
+                self.members[h.member] = self.members.pop(h.member)
                 acts: list[Action] = [ApplyToModel(ClusterMembers(self.urls()))]
                 if h.member == self.me:
                     acts.append(BecomeReady())
@@ -294,6 +300,10 @@ class Membership:
             ]
         for i in self.members.values():
             i.status = STATUS_READY
+        # Members that joined at different moments saw the others revealed in different
+        # orders; the members that start a cluster together stand in id order (the same on
+        # every member), so its first hot-standby primary is the lowest id.
+        self.members = dict(sorted(self.members.items()))
         self.state = READY
         return [
             ApplyToModel(Tick(start)),

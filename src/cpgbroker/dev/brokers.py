@@ -77,8 +77,11 @@ class BrokerSet:
         fsync: str = "always",
         store_options: str = "",
         tls: bool = False,
+        cluster_options: str = "",
     ) -> None:
         self.dc = dc
+        # More ``[cluster]`` lines (TOML), e.g. ``mode = "hot-standby"``.
+        self.cluster_options = cluster_options
         # Give each member a durable store (``store_path``), with this fsync policy.
         self.store = store
         self.fsync = fsync
@@ -211,6 +214,8 @@ class BrokerSet:
             lines.append(f'event_log = "{self.event_log_path(nodeid)}"')
         if self.checkpoint_every is not None:
             lines.append(f"checkpoint_every = {self.checkpoint_every}")
+        if self.cluster_options:
+            lines.append(self.cluster_options)
         if self.store:
             lines += [
                 "",

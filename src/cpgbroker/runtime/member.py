@@ -95,6 +95,7 @@ from cpgbroker.runtime.quorum_trio import TrioQuorum
 from cpgbroker.runtime.ringgate import VERDICT_TIMEOUT, RingGate
 from cpgbroker.runtime.server import Node
 from cpgbroker.runtime.settings import ServerConfig
+from cpgbroker.runtime.standby import HotStandby
 from cpgbroker.runtime.stops import STOP_SETTLE, Stops
 from cpgbroker.runtime.updater import DeferredUpdate, Updater
 from cpgbroker.runtime.watchdog import ApplyMark
@@ -121,6 +122,8 @@ def config_digest(config: ServerConfig) -> bytes:
     relevant["group"] = config.cluster.group
     # Checkpoints are voted on at the same events everywhere, or not at all.
     relevant["checkpoint_every"] = config.cluster.checkpoint_every
+    # One mode for the whole cluster: a second primary would serve clients beside the first.
+    relevant["mode"] = config.cluster.mode
     # Who decides a restart, and how many serving members a durable confirm needs.
     relevant["recover_with"] = "" if config.store is None else config.store.recover_with
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).digest()
@@ -218,6 +221,12 @@ class ClusterNode:
             lambda: self.membership.ready_members,
             lambda: self.serving and self.stops.halted is None,
             client_context(config.tls),
+        )
+        # Hot standby: who takes clients (runtime/standby.py); None: every member does.
+        self.standby = (
+            HotStandby(member, lambda: self.membership, lambda: self.serving)
+            if cluster.mode == "hot-standby"
+            else None
         )
         self.eventlog = EventLog(cluster.event_log, member, incarnation)
         self.checkpoints = Checkpointer(

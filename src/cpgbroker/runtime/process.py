@@ -250,6 +250,12 @@ class MemberProcess:
             self.refused += 1
             await refuse(stream, NOT_QUORATE_TEXT if not self.quorum.quorate else RESYNC_TEXT)
             return
+        why = None if node.standby is None else node.standby.refusal()
+        if why is not None:
+            # A hot-standby backup: the client is told where the primary is.
+            self.refused += 1
+            await refuse(stream, why)
+            return
         await node.io.handle(stream)
 
     async def run(
@@ -470,6 +476,8 @@ class MemberProcess:
                     nursery.start_soon(node.cluster_ticker)
                     # This member's share of the federation links (none without upstreams).
                     nursery.start_soon(node.federation.run)
+                    if node.standby is not None:
+                        nursery.start_soon(node.standby.watch, node.io.close_all)
                     activity = -1
                     while not node.ready.is_set():
                         with trio.move_on_after(cluster.ready_timeout):
@@ -583,6 +591,7 @@ def member_status(node: ClusterNode, with_digest: bool) -> dict[str, Any]:
             "url": node.membership.url,
             "state": node.state_name(),
             "clock_master": node.membership.clock_master,
+            **({"mode": "active-active"} if node.standby is None else node.standby.status()),
             "members": [
                 {
                     "member": m,

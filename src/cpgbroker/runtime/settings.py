@@ -66,6 +66,10 @@ class ClusterConfig:
     # loopback-only: only where the network is private to the cluster (client bytes and
     # PLAIN passwords cross the ring).
     allow_plaintext_ring: bool = False
+    # "active-active" (every member serves clients) or "hot-standby" (only the eldest ready
+    # member does; the others turn clients away naming it: runtime/standby.py). Every member
+    # must use the same (it is part of what members compare when they join).
+    mode: str = "active-active"
 
 
 @attrs.frozen
@@ -306,6 +310,7 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             max_apply_seconds=float(c.get("max_apply_seconds", 300.0)),
             fault_injection=bool(c.get("fault_injection", False)),
             allow_plaintext_ring=bool(c.get("allow_plaintext_ring", False)),
+            mode=str(c.get("mode", "active-active")),
         )
         if cluster.update_listen:
             parse_listen(cluster.update_listen)
@@ -324,12 +329,17 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             "max_apply_seconds",
             "fault_injection",
             "allow_plaintext_ring",
+            "mode",
         )
         unknown_c = sorted(k for k in c if k not in known_keys)
         if unknown_c:
             raise ConfigError(f"unknown [cluster] key(s): {', '.join(unknown_c)}")
         if cluster.size < 1:
             raise ConfigError("cluster.size must be at least 1")
+        if cluster.mode not in ("active-active", "hot-standby"):
+            raise ConfigError(
+                f'cluster.mode must be "active-active" or "hot-standby", not {cluster.mode!r}'
+            )
         if cluster.checkpoint_every < 1:
             raise ConfigError("cluster.checkpoint_every must be at least 1")
         if cluster.watchdog_timeout < 0:
