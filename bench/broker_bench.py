@@ -12,12 +12,15 @@
                                   # + RabbitMQ 3-node quorum over amqp and amqps (one cluster)
     python bench/broker_bench.py --cluster --plaintext-ring --only q_1p1c_1K_confirm
                                   # corosync without crypto_cipher/crypto_hash
+    python bench/broker_bench.py --cluster --hot-standby --rabbitmq
+                                  # [cluster] mode = "hot-standby": every client on the primary
 
 Load comes from the shared ``amqp_load.py`` (its raw client costs ~20 us per message, so the
 broker is what is measured); RabbitMQ nodes from the shared ``rabbitmq_baseline.sh`` (private
 nodes under /tmp, stopped afterwards; with ``--tls``, ``rabbitmq_cluster.sh`` here, whose nodes
 also listen for amqps). Each configuration reports consume msg/s, latency
-percentiles, broker CPU per message (all broker processes), and the ratio to RabbitMQ.
+percentiles, broker CPU per message (all broker processes; for a cluster also each member's,
+``member_us_per_msg``, from /proc), and the ratio to RabbitMQ.
 Never run two benchmarks at once on a 2-core machine: the numbers would measure each other.
 """
 
@@ -34,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from reply_codes import start_cpgbroker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,6 +88,16 @@ def load(
         os.unlink(out)
 
 
+def cpu_seconds(pids: list[int]) -> list[float]:
+    """Each process's user+system CPU seconds so far (/proc/<pid>/stat)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = []
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        out.append((int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
 def summary(r: dict[str, Any]) -> dict[str, Any]:
     cpu = r.get("cpu", {})
     lat = r.get("latency_ms") or {}
@@ -100,21 +115,8 @@ def summary(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_ours_standalone(shared: Path, secs: float) -> dict[str, Any]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cpgbroker", "start", "--listen", "127.0.0.1:0"],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-    )
-    assert proc.stderr is not None
-    port = None
-    for line in proc.stderr:
-        m = re.search(r"listening host=\S+ port=(\d+)", line)
-        if m:
-            port = int(m.group(1))
-            break
-    assert port is not None, "broker did not start"
-    url = f"amqp://guest:guest@127.0.0.1:{port}/"
+    proc, where = start_cpgbroker()
+    url = f"amqp://guest:guest@{where}/"
     out = {}
     try:
         for name, args in STANDALONE.items():
@@ -232,6 +234,7 @@ def run_ours_cluster(
     store: bool = False,
     tls: bool = False,
     plaintext_ring: bool = False,
+    hot_standby: bool = False,
 ) -> dict[str, Any]:
     from cpgbroker.dev.brokers import BrokerSet
     from cpgbroker.dev.cluster import DevCluster
@@ -251,10 +254,29 @@ def run_ours_cluster(
     if certs is not None:
         extra += tls_config(certs)
     with dc:  # up on enter, down on exit
-        brokers = BrokerSet(dc, event_log=False, store=store, tls=tls, extra_config=extra)
+        brokers = BrokerSet(
+            dc,
+            event_log=False,
+            store=store,
+            tls=tls,
+            extra_config=extra,
+            cluster_options='mode = "hot-standby"' if hot_standby else "",
+        )
         brokers.start_all()
         urls = [brokers.url(n) for n in (1, 2, 3)]
-        pids = [p.pid for p in brokers.procs.values()]
+        pids = [brokers.procs[n].pid for n in (1, 2, 3)]
+        roles = {n: "active" for n in (1, 2, 3)}
+        if hot_standby:
+            # Every client on the primary (a backup turns them away).
+            st = brokers.status(1)
+            assert st is not None and st["mode"] == "hot-standby", st
+            primary_port = st["primary_url"].rsplit(":", 1)[1].strip("/")
+            roles = {
+                n: "primary" if brokers.url(n).endswith(f":{primary_port}/") else "backup"
+                for n in (1, 2, 3)
+            }
+            urls = [brokers.url(n) for n in (1, 2, 3) if roles[n] == "primary"]
+            out["roles"] = {f"member{n}": r for n, r in roles.items()}
         try:
             for name in names or list(CLUSTER):
                 args = CLUSTER[name]
@@ -266,9 +288,17 @@ def run_ours_cluster(
                 profilers = []
                 if name == "q_1p1c_1K_confirm" and _pyspy():
                     profilers = profile_members(pids, secs - 2)
+                cpu_before = cpu_seconds(pids)
                 raw = [load(shared, urls, pids, args, secs) for _ in range(repeat)]
+                cpu_after = cpu_seconds(pids)
                 runs = [summary(r) for r in raw]
                 out[name] = median_run(runs)
+                received = sum(int(r.get("received") or 0) for r in raw)
+                if received:
+                    out[name]["member_us_per_msg"] = {
+                        f"member{n} ({roles[n]})": round((b - a) * 1e6 / received, 1)
+                        for n, a, b in zip((1, 2, 3), cpu_before, cpu_after, strict=True)
+                    }
                 if store:
                     # Over every repeat: the counters are cumulative.
                     total = {
@@ -443,6 +473,11 @@ def main() -> int:
         "test certificates; reported as NAME_tls) on the same cluster",
     )
     ap.add_argument(
+        "--hot-standby",
+        action="store_true",
+        help='with --cluster: [cluster] mode = "hot-standby", the load on the primary only',
+    )
+    ap.add_argument(
         "--plaintext-ring",
         action="store_true",
         help="with --cluster: corosync without ring encryption (crypto_cipher/crypto_hash "
@@ -468,6 +503,7 @@ def main() -> int:
             args.store,
             args.tls,
             args.plaintext_ring,
+            args.hot_standby,
         )
     else:
         ours = run_ours_standalone(args.shared, args.seconds)
@@ -478,6 +514,7 @@ def main() -> int:
         "store": args.store,
         "tls": args.tls,
         "ring_encryption": not args.plaintext_ring,
+        "cluster_mode": "hot-standby" if args.hot_standby else "active-active",
         "cpgbroker": ours,
     }
     if args.rabbitmq:

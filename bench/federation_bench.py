@@ -65,6 +65,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SBIN = Path("/usr/lib/rabbitmq/bin")
 
 EXCHANGE = "fed"
+# Down's exchange whose local publishes a pushing link sends to up's ``fed`` (``--push``): no
+# local bindings, so nothing is pulled back down the same link.
+PUSH_EXCHANGE = "fed_push"
 QUEUE = "fed_q"
 HZ = os.sysconf("SC_CLK_TCK")
 
@@ -146,6 +149,7 @@ class Load:
         messages: int | None = None,
         extra: dict[str, list[int]] | None = None,
         rate: float | None = None,
+        exchange: str = EXCHANGE,
     ) -> dict[str, Any]:
         """One run of ``amqp_load.py``: producer i on ``producer_urls[i % n]``, consumer j on
         ``consumer_urls[j % n]``, publishing to ``fed`` with routing key ``fed_q``, the queue
@@ -167,7 +171,7 @@ class Load:
         cmd += [a for p in pids for a in ("--broker-pid", str(p))]
         cmd += ["--producers", str(self.producers), "--consumers", str(self.consumers)]
         cmd += ["--count", str(count), "--size", str(self.size), "--confirm"]
-        cmd += ["--exchange", EXCHANGE, "--queue", QUEUE, "--no-declare", "--no-purge"]
+        cmd += ["--exchange", exchange, "--queue", QUEUE, "--no-declare", "--no-purge"]
         cmd += ["--progress"]
         if self.persistent:
             cmd += ["--persistent"]
@@ -282,14 +286,16 @@ def delete_queues(url: str, names: list[str]) -> None:
             ch.queue_delete(name)
 
 
-def wait_flowing(up_url: str, down_url: str, timeout: float = 60.0) -> float:
+def wait_flowing(
+    up_url: str, down_url: str, timeout: float = 60.0, exchange: str = EXCHANGE
+) -> float:
     """Publish probes (24 zero bytes: the load generator counts them as foreign, never as its
     own) to up's ``fed`` until one arrives in down's ``fed_q``: the link is up and its
     binding reached the upstream. Then down's queue is purged. Seconds it took."""
     t0 = time.monotonic()
     with channel(up_url) as pub, channel(down_url) as sub:
         while True:
-            pub.basic_publish(EXCHANGE, QUEUE, bytes(24))
+            pub.basic_publish(exchange, QUEUE, bytes(24))
             for _ in range(5):
                 method, _props, _body = sub.basic_get(QUEUE, auto_ack=True)
                 if method is not None:
@@ -311,11 +317,12 @@ def measure(
     repeat: int,
     label: str,
     extra: dict[str, list[int]] | None = None,
+    exchange: str = EXCHANGE,
 ) -> dict[str, Any]:
     runs = []
     for _ in range(repeat):
         purge(consumer_urls[0])
-        runs.append(load.run(producer_urls, consumer_urls, groups, extra=extra))
+        runs.append(load.run(producer_urls, consumer_urls, groups, extra=extra, exchange=exchange))
         brief = {k: runs[-1].get(k) for k in ("ok", "msg_s", "p50_ms", "p99_ms", "publish_msg_s")}
         print(f"{label} {what}: {brief}", file=sys.stderr)
     out = median_run(runs)
@@ -323,7 +330,9 @@ def measure(
         # Latency at a fixed, moderate rate (the flat-out runs' latency is mostly queueing).
         purge(consumer_urls[0])
         count = int(load.latency_rate * load.latency_secs)
-        r = load.run(producer_urls, consumer_urls, groups, count, extra, load.latency_rate)
+        r = load.run(
+            producer_urls, consumer_urls, groups, count, extra, load.latency_rate, exchange
+        )
         key = f"at_{load.latency_rate:g}_msg_s"
         out[key] = {k: r.get(k) for k in ("ok", "msg_s", "p50_ms", "p99_ms", "received")}
         print(f"{label} {what} {key}: {out[key]}", file=sys.stderr)
@@ -442,8 +451,64 @@ def run_cpgbroker(args: argparse.Namespace, load: Load) -> dict[str, Any]:
             queues = api("up", "GET", "/api/queues")
             left = [q["name"] for q in queues if q["name"].startswith("federation:")]
             delete_queues(up_urls[0], left)
+        if args.push:
+            out["pushed_on_confirm"] = measure_push(args, load, sets, api, pids, corosyncs)
         out["converged_digest_down"] = down.converged([1, 2, 3], timeout=60)
     return out
+
+
+def measure_push(
+    args: argparse.Namespace,
+    load: Load,
+    sets: dict[str, Any],
+    api: Callable[..., Any],
+    pids: dict[str, list[int]],
+    corosyncs: dict[str, list[int]],
+) -> dict[str, Any]:
+    """The other direction: down's publishers -> down's ``fed_push`` -> a pushing link -> up's
+    ``fed`` -> the consumers on up's ``fed_q`` (every message confirmed to its publisher once
+    all of down has it in the push queue; removed there once up confirmed it)."""
+    up, down = sets["up"], sets["down"]
+    up_urls = [up.url(n) for n in (1, 2, 3)]
+    down_urls = [down.url(n) for n in (1, 2, 3)]
+    declare(up_urls[0], {})
+    # The pull measurements' policy would federate down's fed from this upstream too (it
+    # names the set of all upstreams), and pull the pushed messages back down.
+    api("down", "DELETE", "/api/policies/%2F/fed")
+    with channel(down_urls[0]) as ch:
+        ch.exchange_declare(PUSH_EXCHANGE, "topic", durable=True)
+    policy = {
+        "pattern": f"^{PUSH_EXCHANGE}$",
+        "apply-to": "exchanges",
+        "definition": {"federation-upstream": "up-push"},
+    }
+    api("down", "PUT", "/api/policies/%2F/fed-push", policy)
+    value = {"uri": up_urls, "exchange": EXCHANGE, "push": True, "reconnect-delay": 1}
+    api("down", "PUT", "/api/parameters/federation-upstream/%2F/up-push", {"value": value})
+    took = wait_flowing(down_urls[0], up_urls[0], exchange=PUSH_EXCHANGE)
+    up_consumers = [up_urls[(j + 1) % 3] for j in range(3)]
+    res = measure(
+        load,
+        "pushed on-confirm",
+        down_urls,
+        up_consumers,
+        pids,
+        args.repeat,
+        "cpgbroker",
+        corosyncs,
+        PUSH_EXCHANGE,
+    )
+    res["link_ready_after_s"] = took
+    links = api("down", "GET", "/api/federation-links")
+    res["link"] = next(
+        (
+            {k: x.get(k) for k in ("node", "status", "pushed")}
+            for x in links
+            if x["upstream"] == "up-push"
+        ),
+        {},
+    )
+    return res
 
 
 def wait_until(probe: Callable[[], Any], what: str, timeout: float) -> None:
@@ -717,6 +782,13 @@ def main() -> int:
         help="also measure RabbitMQ (default: yes, but not with --quick)",
     )
     ap.add_argument("--cpgbroker", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument(
+        "--push",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="cpgbroker: also measure a pushing link, down's publishers to up's consumers "
+        "(RabbitMQ's federation only pulls)",
+    )
     ap.add_argument(
         "--rabbitmq-nodes",
         type=int,

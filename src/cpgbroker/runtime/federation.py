@@ -29,6 +29,12 @@ seed design's exchange federation agent (and RabbitMQ's federation plugin):
    the upstream forgets at once, and its queue lives only while the link is connected, so
    what is published upstream while the link is down is lost (the seed's lossy link).
 
+5. with ``push`` on the upstream it also sends local publishes upstream: they wait in the
+   link's push queue here (model routing adds it to every local publish to the exchange), the
+   runner publishes the queue's head to the upstream exchange with confirms and, once
+   confirmed, removes it by an ordered command; a message that comes back down the link
+   carries this cluster's name in ``x-received-from`` and is dropped as a loop.
+
 Whatever ends a link (a cut, the upstream member gone, a refusal, a bug of ours) is reported
 as its error and the link is tried again after its reconnect delay: a link never takes its
 member down.
@@ -92,8 +98,10 @@ SETTLE_TIMEOUT = 60.0
 # How often a running link refreshes its reported counters, and announces itself upstream.
 REPORT_EVERY = 5.0
 ANNOUNCE_EVERY = 30.0
-# How often a pushing link looks at its push queue when it found it empty.
+# How often a pushing link looks at its push queue when it found it empty, and how many
+# batches it may have sent and not yet seen confirmed and removed.
 PUSH_POLL = 0.005
+PUSH_BATCHES_IN_FLIGHT = 4
 
 
 def client_context(tls: TlsConfig | None) -> ssl.SSLContext | None:
@@ -152,6 +160,20 @@ def redacted(uri: str) -> str:
         return uri
     user = creds.split(":", 1)[0]
     return f"{scheme}{sep}{user}@{host}"
+
+
+def travelled(props: commands.Basic.Properties) -> tuple[dict[str, Any], list[Any]]:
+    """A message's headers (a copy) and where it has been (``x-received-from``, oldest first)."""
+    headers = dict(props.headers or {})
+    seen = headers.get(RECEIVED_FROM)
+    return headers, list(seen) if isinstance(seen, list) else []
+
+
+def been_at(seen: list[Any], cluster: str, max_hops: int) -> bool:
+    """Whether a message that has been where ``seen`` says must not go to ``cluster``: it was
+    there already, or it has crossed as many clusters as it may (a loop, or too far)."""
+    names = [x.get("cluster-name") for x in seen if isinstance(x, dict)]
+    return cluster in names or len(seen) >= max_hops
 
 
 def wanted_bindings(b: Broker, link: Link) -> dict[tuple[str, str], dict[str, Any]]:
@@ -485,11 +507,8 @@ class FederationLinks:
             for d in batch:
                 props = d.properties or commands.Basic.Properties()
                 digest = message_digest(d)
-                headers = dict(props.headers or {})
-                seen = headers.get(RECEIVED_FROM)
-                seen = list(seen) if isinstance(seen, list) else []
-                names = [x.get("cluster-name") for x in seen if isinstance(x, dict)]
-                if our_id in names or len(seen) >= max_hops:
+                headers, seen = travelled(props)
+                if been_at(seen, our_id, max_hops):
                     # Been here, or crossed as many clusters as it may: not forwarded.
                     state.dropped_loops += 1
                     last_tag = d.delivery_tag
@@ -527,8 +546,9 @@ class FederationLinks:
             if not acked:
                 await ch.ack(last_tag, multiple=True)
 
-    def _push_batch(self, link: Link) -> list[tuple[int, str, bytes, bytes]]:
-        """The head of the link's push queue, as this member's replica has it: (message id,
+    def _push_batch(self, link: Link, after: int) -> list[tuple[int, str, bytes, bytes]]:
+        """The next messages of the link's push queue after message id ``after`` (those are
+        sent and wait for their removal), as this member's replica has them: (message id,
         routing key, content header, body), at most a batch's bytes and the prefetch count."""
         vh = self._replica().vhosts.get(link.vhost)
         q = None if vh is None else vh.queues.get(link.push_queue)
@@ -539,6 +559,8 @@ class FederationLinks:
         limit = link.upstream.prefetch_count
         for e in q.messages:
             m = e.msg
+            if m.id <= after:
+                continue
             out.append((m.id, m.routing_key, m.header, m.body))
             size += len(m.body)
             if size >= BATCH_BYTES or len(out) >= limit:
@@ -548,12 +570,15 @@ class FederationLinks:
     async def _push(
         self, client: AmqpClient, link: Link, upstream_name: str, state: LinkState
     ) -> None:
-        """Send local publishes upstream: the head of the push queue, published to the upstream
-        exchange with confirms, then removed here by an ordered command once the upstream
-        confirmed it. A runner that dies in between leaves them in the queue, and the next one
-        sends them again (at least once: the upstream may get a message twice, never none).
-        A message that was at the upstream already, or crossed ``max-hops`` clusters, is
-        removed without being sent (mutually pushing clusters do not loop)."""
+        """Send local publishes upstream: the push queue's messages, in order, published to the
+        upstream exchange with confirms, then removed here by an ordered command once the
+        upstream confirmed them. Two stages, so that neither round trip waits for the other:
+        this one publishes batch after batch (at most PUSH_BATCHES_IN_FLIGHT unsettled),
+        :meth:`_settle_pushed` waits for each batch's confirms and removes it. A runner that
+        dies in between leaves them in the queue, and the next one sends them again (at least
+        once: the upstream may get a message twice, never none). A message that was at the
+        upstream already, or crossed ``max-hops`` clusters, is removed without being sent
+        (mutually pushing clusters do not loop)."""
         ch = await client.channel()
         await ch.confirm_select()
         hop: dict[str, Any] = {
@@ -562,26 +587,39 @@ class FederationLinks:
             "redelivered": False,
         }
         max_hops = link.upstream.max_hops
-        while True:
-            batch = self._push_batch(link)
-            if not batch:
-                await trio.sleep(PUSH_POLL)
-                continue
-            confirms = []
-            for _, rk, header, body in batch:
-                ch_header = pheader.ContentHeader()
-                ch_header.unmarshal(header)
-                props = ch_header.properties
-                headers = dict(props.headers or {})
-                seen = headers.get(RECEIVED_FROM)
-                seen = list(seen) if isinstance(seen, list) else []
-                names = [x.get("cluster-name") for x in seen if isinstance(x, dict)]
-                if upstream_name in names or len(seen) >= max_hops:
-                    state.dropped_loops += 1
+        send, receive = trio.open_memory_channel[tuple[int, list[Any]]](PUSH_BATCHES_IN_FLIGHT)
+        sent_upto = 0
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._settle_pushed, link, receive, state)
+            while True:
+                batch = self._push_batch(link, sent_upto)
+                if not batch:
+                    await trio.sleep(PUSH_POLL)
                     continue
-                headers[RECEIVED_FROM] = [*seen, hop]
-                props.headers = headers
-                confirms.append(await ch.publish(link.upstream_exchange, rk, body, props))
+                confirms = []
+                for _, rk, header, body in batch:
+                    ch_header = pheader.ContentHeader()
+                    ch_header.unmarshal(header)
+                    props = ch_header.properties
+                    headers, seen = travelled(props)
+                    if been_at(seen, upstream_name, max_hops):
+                        state.dropped_loops += 1
+                        continue
+                    headers[RECEIVED_FROM] = [*seen, hop]
+                    props.headers = headers
+                    confirms.append(await ch.publish(link.upstream_exchange, rk, body, props))
+                sent_upto = batch[-1][0]
+                await send.send((sent_upto, confirms))
+
+    async def _settle_pushed(
+        self,
+        link: Link,
+        batches: trio.MemoryReceiveChannel[tuple[int, list[Any]]],
+        state: LinkState,
+    ) -> None:
+        """Each pushed batch in order: once the upstream confirmed all of it, removed from the
+        push queue on every member (up to its last message id)."""
+        async for upto, confirms in batches:
             for c in confirms:
                 if c is not None and not await c.wait():
                     raise LinkRefused("the upstream refused a pushed message (nack)")
@@ -592,7 +630,7 @@ class FederationLinks:
                     "vhost": link.vhost,
                     "exchange": link.exchange,
                     "upstream": link.upstream.name,
-                    "upto": batch[-1][0],
+                    "upto": upto,
                 },
                 SETTLE_TIMEOUT,
             )
