@@ -5,6 +5,7 @@ is a backup (runtime/standby.py)."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 
@@ -12,6 +13,7 @@ import pika
 import pika.exceptions
 import pytest
 from brokerclients import ConfirmingPublisher, connect, drain_queue
+from pamqp import frame
 
 from cpgbroker.dev.brokers import BrokerSet
 
@@ -56,6 +58,20 @@ def test_clients_reach_the_primary_and_survive_its_kill_and_it_comes_back_a_back
             pika.BlockingConnection(pika.URLParameters(bs.url(n) + "?connection_attempts=1"))
         assert "hot-standby backup" in str(e.value), e.value
         assert f"127.0.0.1:{bs.ports[primary][0]}" in str(e.value), e.value
+    # What a backup says, in AMQP: connection.start with the member list and the primary in
+    # its server-properties, then connection.close 320.
+    with socket.create_connection(("127.0.0.1", bs.ports[backups[0]][0]), timeout=10) as s:
+        s.sendall(b"AMQP\x00\x00\x09\x01")
+        data = b""
+        while not data.endswith(b"\xce") or len(data) < 20:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    _, _, start = frame.unmarshal(data)
+    props = start.server_properties
+    assert props["cpgbroker_primary"] == f"amqp://127.0.0.1:{bs.ports[primary][0]}/", props
+    assert len(props["cluster_members"].split()) == 3, props
     # Clients given every member's URL, backups first, end up on the primary.
     params = [pika.URLParameters(bs.url(n) + "?connection_attempts=1") for n in (*backups, primary)]
     conn = pika.BlockingConnection(params)

@@ -131,6 +131,26 @@ SERVER_CAPABILITIES = {
 }
 
 
+def server_properties(cfg: BrokerConfig, member_urls: tuple[str, ...]) -> dict[str, Any]:
+    """connection.start's server-properties (also what a hot-standby backup shows the clients
+    it turns away: runtime/standby.py)."""
+    props: dict[str, Any] = {
+        "product": cfg.product,
+        "version": cfg.version,
+        "platform": "Python",
+        "copyright": "cpgbroker contributors",
+        "information": "AMQP 0-9-1 broker on corosync CPG",
+        "capabilities": dict(SERVER_CAPABILITIES),
+        "cluster_name": cfg.cluster_name or "standalone",
+    }
+    if cfg.server_id:
+        # Federation peers compare it with their own (model/federation.py).
+        props[SERVER_ID_PROPERTY] = cfg.server_id
+    if member_urls:
+        props["cluster_members"] = " ".join(member_urls)
+    return props
+
+
 def mark_closing(conn: Connection) -> None:
     """Every channel of ``conn`` is going: none may be handed what another gives back."""
     for ch in conn.channels.values():
@@ -370,22 +390,7 @@ class Connections:
             self._open(conn, m)
 
     def _send_start(self, conn: Connection) -> None:
-        cfg = self._config
-        props: dict[str, Any] = {
-            "product": cfg.product,
-            "version": cfg.version,
-            "platform": "Python",
-            "copyright": "cpgbroker contributors",
-            "information": "AMQP 0-9-1 broker on corosync CPG",
-            "capabilities": dict(SERVER_CAPABILITIES),
-            "cluster_name": cfg.cluster_name or "standalone",
-        }
-        if cfg.server_id:
-            # Federation peers compare it with their own (model/federation.py).
-            props[SERVER_ID_PROPERTY] = cfg.server_id
-        member_urls = self._topology.member_urls
-        if member_urls:
-            props["cluster_members"] = " ".join(member_urls)
+        props = server_properties(self._config, self._topology.member_urls)
         self._send_method(
             conn,
             0,

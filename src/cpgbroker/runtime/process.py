@@ -250,11 +250,14 @@ class MemberProcess:
             self.refused += 1
             await refuse(stream, NOT_QUORATE_TEXT if not self.quorum.quorate else RESYNC_TEXT)
             return
-        why = None if node.standby is None else node.standby.refusal()
+        standby = node.standby
+        why = None if standby is None else standby.refusal()
         if why is not None:
             # A hot-standby backup: the client is told where the primary is.
+            assert standby is not None
             self.refused += 1
-            await refuse(stream, why)
+            start = standby.greeting(self.config.broker, node.broker.topology.member_urls)
+            await refuse(stream, why, start)
             return
         await node.io.handle(stream)
 
@@ -669,9 +672,10 @@ async def _first_of(*events: trio.Event) -> None:
             nursery.start_soon(wait, ev)
 
 
-async def refuse(stream: ClientStream, text: str) -> None:
+async def refuse(stream: ClientStream, text: str, start: bytes = b"") -> None:
     """Turn away a client while this member does not serve: read its protocol header, answer
-    connection.close 320 with the reason (clients report it; failover clients move on), then
+    connection.close 320 with the reason (clients report it; failover clients move on; after
+    ``start``, a connection.start, when given: what a hot-standby backup shows), then
     linger as a closed connection does (``runtime/server.py``, CLOSE_LINGER): end of stream,
     and read and discard what the client still sends (its close-ok, frames it wrote after its
     header) until it closes, at most CLOSE_LINGER seconds, so that closing with unread input
@@ -681,7 +685,7 @@ async def refuse(stream: ClientStream, text: str) -> None:
     ):
         with trio.move_on_after(2):
             await stream.receive_some(8)
-            await stream.send_all(forced_close_frame(text))
+            await stream.send_all(start + forced_close_frame(text))
         with trio.move_on_after(CLOSE_LINGER):
             # A no-op on amqps (TlsStream: TLS has no half close).
             await stream.send_eof()

@@ -40,10 +40,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
+from pamqp import commands
+from pamqp import frame as pframe
 
 from cpgbroker.cluster.codec import STATUS_READY
 from cpgbroker.cluster.membership import MemberInfo, Membership
 from cpgbroker.errors import ReplyCode
+from cpgbroker.model.config import BrokerConfig
+from cpgbroker.model.connection import MECHANISMS, server_properties
 
 log = logging.getLogger("cpgbroker.standby")
 
@@ -82,6 +86,18 @@ class HotStandby:
             return None
         where = primary.url or f"member {primary.member}"
         return f"this member is a hot-standby backup; the primary is {where}: use it"
+
+    def greeting(self, cfg: BrokerConfig, member_urls: tuple[str, ...]) -> bytes:
+        """The connection.start a turned-away client reads before its connection.close: any
+        member's server-properties (``cluster_members``: the member list), plus the primary's
+        URL (``cpgbroker_primary``), for clients that look there rather than at the close."""
+        props = server_properties(cfg, member_urls)
+        primary = primary_of(self._membership())
+        props["cpgbroker_primary"] = "" if primary is None else primary.url
+        start = commands.Connection.Start(
+            server_properties=props, mechanisms=MECHANISMS, locales="en_US"
+        )
+        return bytes(pframe.marshal(start, 0))
 
     def status(self) -> dict[str, Any]:
         primary = primary_of(self._membership())
