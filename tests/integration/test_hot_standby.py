@@ -6,8 +6,11 @@ is a backup (runtime/standby.py)."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pika
 import pika.exceptions
@@ -20,6 +23,7 @@ from cpgbroker.dev.brokers import BrokerSet
 pytestmark = pytest.mark.integration
 
 MODE = 'mode = "hot-standby"'
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def roles(bs: BrokerSet, nodes: list[int]) -> dict[int, str]:
@@ -79,6 +83,29 @@ def test_clients_reach_the_primary_and_survive_its_kill_and_it_comes_back_a_back
     status = bs.status(primary)
     assert status is not None and status["connections"]["local"] == 1, status
     conn.close()
+    # The documented failover examples (pika; kombu, as celery uses it) with the backups first.
+    urls = [bs.url(n) for n in (*backups, primary)]
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "docs/examples/pika_failover.py"), *urls],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "consumed 100 distinct messages" in out.stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "docs/examples/kombu_failover.py"),
+            ";".join(u + "/" for u in urls),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "received [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]" in out.stdout
+    assert f"127.0.0.1:{bs.ports[primary][0]}" in out.stdout.split("received")[0], out.stdout
     # Under a confirmed publisher that tries the members in turn, kill -9 the primary.
     pub = ConfirmingPublisher(bs, [*backups, primary], "hs.q")
     pub.start()
