@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from cpgbroker.runtime import dashboard, mgmt_api
+from cpgbroker.runtime import dashboard, mgmt_json
 from cpgbroker.runtime.admin import AdminRoutes
 from cpgbroker.runtime.httpserve import Request
 
@@ -97,9 +97,9 @@ def test_the_overview_shows_the_replication_to_monitors_only() -> None:
         "quorum": {"quorate": True},
         "queues": {"/:q": {"ready": 1, "unacked": 0, "consumers": 0}},
     }
-    view = mgmt_api.cluster_view(status, None, "host1")
-    monitor = mgmt_api.Identity("mon", ("monitoring",))
-    shown = mgmt_api.overview_json(view, monitor)["cpgbroker_cluster"]
+    view = mgmt_json.cluster_view(status, None, "host1")
+    monitor = mgmt_json.Identity("mon", ("monitoring",))
+    shown = mgmt_json.overview_json(view, monitor)["cpgbroker_cluster"]
     assert shown["event_seq"] == 1234 and shown["lag"] == {"events_behind": 234, "held_back": 0}
     assert shown["checkpoint"]["losers"] == [8] and shown["error_checks"]["held_at"] is None
     # Per member, what the Members table shows: its progress and its digest's agreement.
@@ -108,5 +108,5 @@ def test_the_overview_shows_the_replication_to_monitors_only() -> None:
         (8, 1000, False),
     ]
     assert "queues" not in shown  # the API's own lists have those
-    manager = mgmt_api.Identity("mgr", ("management",))
-    assert "cpgbroker_cluster" not in mgmt_api.overview_json(view, manager)
+    manager = mgmt_json.Identity("mgr", ("management",))
+    assert "cpgbroker_cluster" not in mgmt_json.overview_json(view, manager)

@@ -20,8 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.config import BrokerConfig, Permission, User
-from cpgbroker.runtime import mgmt_api
-from cpgbroker.runtime.mgmt_api import ADMIN_TAGS, MGMT_TAGS, MONITOR_TAGS, Identity, Refusal
+from cpgbroker.runtime import mgmt_api, mgmt_json
+from cpgbroker.runtime.mgmt_api import Refusal
+from cpgbroker.runtime.mgmt_json import ADMIN_TAGS, MGMT_TAGS, MONITOR_TAGS, Identity
 
 USERS = (
     User("admin", "pw-admin", ("/", "other"), tags=("administrator",)),
@@ -100,7 +101,7 @@ def _broker_with_things() -> Broker:
 
 def test_queues_exchanges_bindings_in_rabbitmqs_shapes() -> None:
     b = _broker_with_things()
-    view = mgmt_api.cluster_view({"state": "standalone", "member": None}, b, "host1")
+    view = mgmt_json.cluster_view({"state": "standalone", "member": None}, b, "host1")
     admin = Identity("admin", ("administrator",), USERS[0])
     api = mgmt_api.ManagementApi()
     got = api.get(["queues", "/", "q1"], view, admin)
@@ -156,7 +157,7 @@ def test_queues_exchanges_bindings_in_rabbitmqs_shapes() -> None:
 
 def test_management_users_see_their_vhosts_and_connections_only() -> None:
     b = _broker_with_things()
-    view = mgmt_api.cluster_view({"state": "standalone"}, b, "h")
+    view = mgmt_json.cluster_view({"state": "standalone"}, b, "h")
     api = mgmt_api.ManagementApi()
     mgr = Identity("mgr", ("management",), USERS[2])
     assert api.get(["queues"], view, mgr).body == []
@@ -177,7 +178,7 @@ def test_users_permissions_and_the_shown_hash() -> None:
             )
         )
     )
-    view = mgmt_api.cluster_view({"state": "standalone"}, b, "h")
+    view = mgmt_json.cluster_view({"state": "standalone"}, b, "h")
     api = mgmt_api.ManagementApi()
     admin = Identity("admin", ("administrator",), USERS[0])
     users = api.get(["users"], view, admin).body
@@ -215,7 +216,7 @@ def test_health_checks_show_the_memory_mark_and_disk_alarms() -> None:
         ],
         "quorum": {"quorate": True, "quorum": 2, "expected_votes": 3},
     }
-    view = mgmt_api.cluster_view(status, b, "h")
+    view = mgmt_json.cluster_view(status, b, "h")
     assert view.node == "cpgbroker@10.0.0.2:5672"
     api = mgmt_api.ManagementApi()
     admin = Identity("admin", ("administrator",))
@@ -469,7 +470,7 @@ def test_lists_are_sorted_filtered_and_paged_as_rabbitmq_pages_them() -> None:
 
 
 def test_the_older_node_health_check_and_the_cluster_name() -> None:
-    view = mgmt_api.cluster_view({"state": "standalone"}, Broker(BrokerConfig()), "h")
+    view = mgmt_json.cluster_view({"state": "standalone"}, Broker(BrokerConfig()), "h")
     api = mgmt_api.ManagementApi()
     admin = Identity("admin", ("administrator",))
     assert api.get(["healthchecks", "node"], view, admin).body == {"status": "ok"}
@@ -510,7 +511,7 @@ async def test_a_failing_route_answers_500_and_the_endpoint_lives_on(
 
 def test_definitions_export_in_rabbitmqs_format() -> None:
     b = _broker_with_things()
-    view = mgmt_api.cluster_view({"state": "standalone"}, b, "h")
+    view = mgmt_json.cluster_view({"state": "standalone"}, b, "h")
     admin = Identity("admin", ("administrator",), USERS[0])
     defs = mgmt_api.ManagementApi().get(["definitions"], view, admin).body
     assert defs["queues"] == [

@@ -33,7 +33,7 @@ import trio
 
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.config import User
-from cpgbroker.runtime import dashboard, metrics, mgmt_api, mgmt_write
+from cpgbroker.runtime import dashboard, metrics, mgmt_api, mgmt_json, mgmt_write
 from cpgbroker.runtime import secret as admin_secret
 from cpgbroker.runtime.httpserve import Request, Response, serve_connection
 from cpgbroker.runtime.settings import ServerConfig, parse_listen
@@ -135,9 +135,9 @@ class AdminRoutes:
         self.api = mgmt_api.ManagementApi()
         self.registry = metrics.registry_for(self.view)
 
-    def view(self) -> mgmt_api.ClusterView:
+    def view(self) -> mgmt_json.ClusterView:
         broker = None if self.replica is None else self.replica()
-        return mgmt_api.cluster_view(self.status(False), broker, self.host)
+        return mgmt_json.cluster_view(self.status(False), broker, self.host)
 
     def _refused(self, req: Request, status: int, user: str = "", why: str = "") -> None:
         extra = f" user={user!r} reason={why!r}" if user or why else ""
@@ -193,9 +193,9 @@ class AdminRoutes:
         users = tuple(view.broker.users.by_name.values()) if view.broker is not None else self.users
         writing = req.method not in ("GET", "HEAD")
         need = (
-            mgmt_api.MONITOR_TAGS
+            mgmt_json.MONITOR_TAGS
             if parts is None
-            else mgmt_api.MGMT_TAGS
+            else mgmt_json.MGMT_TAGS
             if writing
             else mgmt_api.needed_tags(parts)
         )
@@ -213,7 +213,7 @@ class AdminRoutes:
         return _json(answer.status, answer.body)
 
     async def _write(
-        self, req: Request, parts: list[str], view: mgmt_api.ClusterView, who: mgmt_api.Identity
+        self, req: Request, parts: list[str], view: mgmt_json.ClusterView, who: mgmt_json.Identity
     ) -> Response:
         """A change: checked and shaped by mgmt_write, applied by every member in the event
         order, answered once it is as safe as a durable confirm (runtime/admindesk.py)."""
@@ -254,7 +254,7 @@ class AdminRoutes:
     def _refused_change(
         self,
         req: Request,
-        who: mgmt_api.Identity,
+        who: mgmt_json.Identity,
         cmd: mgmt_write.Command,
         status: int,
         body: Any,

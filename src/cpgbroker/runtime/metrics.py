@@ -28,7 +28,7 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector
 
-from cpgbroker.runtime.mgmt_api import ClusterView
+from cpgbroker.runtime.mgmt_json import ClusterView
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

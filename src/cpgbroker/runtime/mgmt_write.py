@@ -27,14 +27,8 @@ import attrs
 from cpgbroker.model import auth
 from cpgbroker.model import entities as E
 from cpgbroker.model.permissions import TRUSTED
-from cpgbroker.runtime.mgmt_api import (
-    ADMIN_TAGS,
-    SECRET_HOLDER,
-    Answer,
-    ClusterView,
-    Identity,
-    connection_name,
-)
+from cpgbroker.runtime.mgmt_api import SECRET_HOLDER, Answer
+from cpgbroker.runtime.mgmt_json import ADMIN_TAGS, ClusterView, Identity, connection_name
 
 POLICY_TAGS = ("administrator", "policymaker")
 # Definitions larger than this travel as several commands (each one CPG event): a batch of
