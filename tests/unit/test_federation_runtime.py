@@ -92,3 +92,26 @@ def test_amqps_links_trust_the_configured_ca_and_present_the_members_certificate
     # The configured CA is what it trusts.
     subjects = [dict(x[0] for x in c["subject"]) for c in context.get_ca_certs()]
     assert any(s.get("organizationName") == tlscerts.ORG for s in subjects)
+
+
+def test_a_link_whose_runner_left_shows_as_starting_until_the_next_one_reports() -> None:
+    from cpgbroker.runtime.mgmt_json import cluster_view, federation_links_json
+
+    h = Harness()
+    ops = Ops(h)
+    ops("put_parameter", component="federation-upstream", vhost="/", name="central",
+        value={"uri": "amqp://h/", "push": True})  # fmt: skip
+    ops("put_exchange", vhost="/", name="ev", type="topic")
+    ops("put_policy", vhost="/", name="f", pattern="^ev$",
+        definition={"federation-upstream": "central"}, **{"apply-to": "exchanges"})  # fmt: skip
+    state = {"status": "running", "member": 7, "uri": "amqp://h/", "pushed": 12}
+    ops("federation_status", vhost="/", exchange="ev", upstream="central", state=state)
+
+    def shown(*ready: int) -> dict[str, object]:
+        members = [{"member": m, "url": f"amqp://10.0.0.{m}/", "status": "ready"} for m in ready]
+        view = cluster_view({"state": "ready", "members": members}, h.broker, "h")
+        (link,) = federation_links_json(h.broker, view)
+        return link
+
+    assert shown(7, 8)["status"] == "running" and shown(7, 8)["pushed"] == 12
+    assert shown(8, 9)["status"] == "starting"
