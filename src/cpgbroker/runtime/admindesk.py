@@ -31,6 +31,16 @@ class _Wait:
         self.seq = 0
 
 
+class Pending:
+    """An event sent through the desk whose answer has not been taken yet."""
+
+    __slots__ = ("ticket", "wait")
+
+    def __init__(self, ticket: int, wait: _Wait) -> None:
+        self.ticket = ticket
+        self.wait = wait
+
+
 class AdminDesk:
     def __init__(
         self,
@@ -62,17 +72,34 @@ class AdminDesk:
         """Submit the event ``make(ticket)`` (one the model answers with an ``AdminReply``
         naming this member and that ticket: an admin command, a federation link's messages)
         and wait for the answer, once settled."""
+        return await self.answer(await self.send(make), timeout)
+
+    async def send(self, make: Callable[[int], Event]) -> Pending:
+        """Submit the event ``make(ticket)`` (events sent one after another are applied in
+        that order) without waiting for its answer: :meth:`answer` waits for it, and
+        :meth:`forget` drops it when nobody will."""
         ticket = next(self._tickets)
         wait = self._waiting[ticket] = _Wait()
         try:
             await self._submit(make(ticket))
-            with trio.fail_after(timeout):
-                await wait.done.wait()
-        finally:
+        except BaseException:
             self._waiting.pop(ticket, None)
-            if wait in self.unsettled:
-                self.unsettled.remove(wait)
-        return wait.answer
+            raise
+        return Pending(ticket, wait)
+
+    async def answer(self, pending: Pending, timeout: float) -> Answer:
+        """The answer to a sent event, once settled (``trio.TooSlowError`` after ``timeout``)."""
+        try:
+            with trio.fail_after(timeout):
+                await pending.wait.done.wait()
+        finally:
+            self.forget(pending)
+        return pending.wait.answer
+
+    def forget(self, pending: Pending) -> None:
+        self._waiting.pop(pending.ticket, None)
+        if pending.wait in self.unsettled:
+            self.unsettled.remove(pending.wait)
 
     def answered(self, reply: AdminReply) -> None:
         """An ``AdminReply`` effect (client I/O passes them here): ours, if it names this

@@ -70,7 +70,7 @@ from cpgbroker.model.events import Forward
 from cpgbroker.model.federation import RECEIVED_FROM, SERVER_ID_PROPERTY, Link
 from cpgbroker.model.permissions import TRUSTED
 from cpgbroker.model.topology import PEER_EXCHANGE
-from cpgbroker.runtime.admindesk import AdminDesk
+from cpgbroker.runtime.admindesk import AdminDesk, Pending
 from cpgbroker.runtime.amqpclient import (
     AmqpClient,
     AmqpClientError,
@@ -102,6 +102,8 @@ ANNOUNCE_EVERY = 30.0
 # batches it may have sent and not yet seen confirmed and removed.
 PUSH_POLL = 0.005
 PUSH_BATCHES_IN_FLIGHT = 4
+# How many forwarded batches may wait for the cluster's answer while the next ones go out.
+FORWARD_BATCHES_IN_FLIGHT = 4
 
 
 def client_context(tls: TlsConfig | None) -> ssl.SSLContext | None:
@@ -492,6 +494,41 @@ class FederationLinks:
         }
         max_hops = link.upstream.max_hops
         on_confirm = link.upstream.ack_mode == "on-confirm"
+        # Batches handed to the cluster whose answers (and, on-confirm, acks) are pending:
+        # the next batch goes out while the cluster settles this one (_settle_forwarded).
+        settle, settling = trio.open_memory_channel[tuple[Pending | None, int, int]](
+            FORWARD_BATCHES_IN_FLIGHT
+        )
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._settle_forwarded, ch, settling, state)
+                await self._forward_batches(
+                    link, ch, deliveries, hop, our_id, max_hops, on_confirm, no_ack, state, settle
+                )
+        finally:
+            # A link that ends drops the answers nobody will take (the upstream redelivers
+            # what was not acknowledged).
+            while True:
+                try:
+                    pending, _, _ = settling.receive_nowait()
+                except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                    break
+                if pending is not None:
+                    self._desk.forget(pending)
+
+    async def _forward_batches(
+        self,
+        link: Link,
+        ch: Any,
+        deliveries: Any,
+        hop: dict[str, Any],
+        our_id: str,
+        max_hops: int,
+        on_confirm: bool,
+        no_ack: bool,
+        state: LinkState,
+        settle: trio.MemorySendChannel[tuple[Pending | None, int, int]],
+    ) -> None:
         while True:
             batch: list[Delivery] = [await deliveries.receive()]
             size = len(batch[0].body)
@@ -524,11 +561,13 @@ class FederationLinks:
                 messages.append((d.routing_key, header, d.body, digest, d.redelivered))
                 last_tag = d.delivery_tag
             acked = no_ack or not last_tag
+            if not on_confirm and not acked:
+                # on-publish: handed over is enough.
+                await ch.ack(last_tag, multiple=True)
+                acked = True
+            pending = None
             if messages:
-                if not on_confirm and not acked:
-                    await ch.ack(last_tag, multiple=True)
-                    acked = True
-                status, answer = await self._desk.submit(
+                pending = await self._desk.send(
                     functools.partial(
                         Forward,
                         self.member,
@@ -536,15 +575,31 @@ class FederationLinks:
                         exchange=link.exchange,
                         upstream=link.upstream.name,
                         messages=tuple(messages),
-                    ),
-                    SETTLE_TIMEOUT,
+                    )
                 )
+            if pending is not None or not acked:
+                # In order behind the batches before it: an acknowledgement covers every
+                # delivery up to its tag.
+                await settle.send((pending, len(messages), 0 if acked else last_tag))
+
+    async def _settle_forwarded(
+        self,
+        ch: Any,
+        batches: trio.MemoryReceiveChannel[tuple[Pending | None, int, int]],
+        state: LinkState,
+    ) -> None:
+        """Each forwarded batch in order: its answer once the cluster settled it (every member
+        has the messages, and every store), then its acknowledgement upstream, if it has one
+        (``on-confirm``)."""
+        async for pending, count, tag in batches:
+            if pending is not None:
+                status, answer = await self._desk.answer(pending, SETTLE_TIMEOUT)
                 if status != 200:
                     raise LinkRefused(f"the local exchange is gone ({status})")
                 state.duplicates += answer["duplicates"]
-                state.forwarded += len(messages) - answer["duplicates"]
-            if not acked:
-                await ch.ack(last_tag, multiple=True)
+                state.forwarded += count - answer["duplicates"]
+            if tag:
+                await ch.ack(tag, multiple=True)
 
     def _push_batch(self, link: Link, after: int) -> list[tuple[int, str, bytes, bytes]]:
         """The next messages of the link's push queue after message id ``after`` (those are
