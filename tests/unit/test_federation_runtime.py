@@ -95,6 +95,7 @@ def test_amqps_links_trust_the_configured_ca_and_present_the_members_certificate
 
 
 def test_a_link_whose_runner_left_shows_as_starting_until_the_next_one_reports() -> None:
+    from cpgbroker.model.events import MemberLeft
     from cpgbroker.runtime.mgmt_json import cluster_view, federation_links_json
 
     h = Harness()
@@ -114,4 +115,7 @@ def test_a_link_whose_runner_left_shows_as_starting_until_the_next_one_reports()
         return link
 
     assert shown(7, 8)["status"] == "running" and shown(7, 8)["pushed"] == 12
+    # The runner's departure, at its point of the order on every member (model/broker.py).
+    h.apply(MemberLeft(7))
     assert shown(8, 9)["status"] == "starting"
+    assert h.broker.federation.status[("/", "ev", "central")]["pushed"] == 12

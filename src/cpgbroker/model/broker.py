@@ -212,6 +212,7 @@ class Broker:
                 delivery.publish_members(q, topology.member_urls)
         elif t is MemberLeft:
             self.conns.member_left(event.member)  # type: ignore[union-attr]
+            self.federation.member_left(event.member)  # type: ignore[union-attr]
             if event.member in self.mark.disk_alarms:  # type: ignore[union-attr]
                 self.mark.set_disk_alarm(event.member, False)  # type: ignore[union-attr]
         elif t is DiskAlarm:

@@ -286,6 +286,13 @@ class Federation:
     def report(self, key: tuple[str, str, str], state: dict[str, Any]) -> None:
         self.status[key] = state
 
+    def member_left(self, member: int) -> None:
+        """``member`` left the cluster: the links it ran are being taken over (no longer
+        running) until their next runner reports."""
+        for key, state in self.status.items():
+            if state.get("member") == member and state.get("status") != "starting":
+                self.status[key] = {**state, "status": "starting"}
+
     def seen(self, key: tuple[str, str, str]) -> Seen:
         s = self.recent.get(key)
         if s is None:

@@ -334,15 +334,9 @@ def federation_links_json(b: Broker, view: ClusterView) -> list[dict[str, Any]]:
     """RabbitMQ's federation-management shape: one per link, with what its runner last
     reported (every member shows the same: the reports are replicated)."""
     out = []
-    ready = {m.id for m in view.members if m.state == "ready"}
     for link in b.federation.links(b.vhosts, b.policies.definition_of):
         state = b.federation.status.get(link.key, {})
         member = state.get("member")
-        status = state.get("status", "starting")
-        if isinstance(member, int) and ready and member not in ready:
-            # Its last report is from a runner that has left: another member is taking the
-            # link over and has not reported yet.
-            status = "starting"
         item = {
             "node": view.member_name(member) if isinstance(member, int) else "",
             "vhost": link.vhost,
@@ -351,7 +345,7 @@ def federation_links_json(b: Broker, view: ClusterView) -> list[dict[str, Any]]:
             "type": "exchange",
             "upstream": link.upstream.name,
             "id": f"{link.vhost}/{link.exchange}/{link.upstream.name}",
-            "status": status,
+            "status": state.get("status", "starting"),
             "uri": state.get("uri", ""),
             "local_connection": "",
         }
