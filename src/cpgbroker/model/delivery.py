@@ -60,6 +60,7 @@ from cpgbroker.model.topology import FAILOVER_EXCHANGE, VHost, reply_queue_of
 from cpgbroker.model.ttlindex import TtlQueues
 from cpgbroker.model.validate import dead_letter_problem
 from cpgbroker.wire.fastpath import (
+    DIRECT_REPLY,
     HeaderInfo,
     decode_publish,
     encode_content,
@@ -284,7 +285,8 @@ class Delivery:
                     method_id=40,
                 )
             name = rq.name.encode()
-            header = header[:at] + bytes((len(name),)) + name + header[at + 1 + 21 :]
+            end = at + 1 + len(DIRECT_REPLY)
+            header = header[:at] + bytes((len(name),)) + name + header[end:]
         expiration_ms: int | None = None
         if info.expiration is not None:
             exp = info.expiration

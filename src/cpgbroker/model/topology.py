@@ -57,6 +57,7 @@ from cpgbroker.model.permissions import CONFIGURE, READ, WRITE, Permissions
 from cpgbroker.model.policies import Policies
 from cpgbroker.model.queueargs import QUEUE_ARGS, apply_queue_args, fmt
 from cpgbroker.model.ttlindex import QueueKey, TtlQueues
+from cpgbroker.wire.fastpath import DIRECT_REPLY as _DIRECT_REPLY_BYTES
 
 R = ReplyCode
 
@@ -73,7 +74,7 @@ PEER_EXCHANGE = "amq.peer"
 # Here that queue is real (replicated like any other, so an answer from a client of any member
 # arrives), but no client can see it except by a passive declare, and it goes with its
 # consumer (auto-delete).
-DIRECT_REPLY = "amq.rabbitmq.reply-to"
+DIRECT_REPLY = _DIRECT_REPLY_BYTES.decode()
 REPLY_PREFIX = DIRECT_REPLY + "."
 
 PREDECLARED = (

@@ -51,7 +51,6 @@ from cpgbroker.model.connection import MECHANISMS, server_properties
 
 log = logging.getLogger("cpgbroker.standby")
 
-MODES = ("active-active", "hot-standby")
 # How often a serving primary checks that it still is (a role change needs a membership
 # change, delivered in order; this only bounds how long its clients stay on a backup).
 RECHECK = 0.2

@@ -380,7 +380,8 @@ def _check_short_strings(payload: bytes, flags: int) -> None:
             p += 1
 
 
-_DIRECT_REPLY = b"amq.rabbitmq.reply-to"
+# RabbitMQ's direct reply-to pseudo-queue, as a reply-to property names it (model/topology.py).
+DIRECT_REPLY = b"amq.rabbitmq.reply-to"
 
 
 def parse_content_header(payload: bytes) -> HeaderInfo:
@@ -421,7 +422,7 @@ def parse_content_header(payload: bytes) -> HeaderInfo:
     direct_reply_at = -1
     if flags & FLAG_REPLY_TO:
         m = payload[p]
-        if m == len(_DIRECT_REPLY) and payload[p + 1 : p + 1 + m] == _DIRECT_REPLY:
+        if m == len(DIRECT_REPLY) and payload[p + 1 : p + 1 + m] == DIRECT_REPLY:
             direct_reply_at = p
         p += 1 + m
     if flags & FLAG_EXPIRATION:
