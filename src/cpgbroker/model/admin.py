@@ -337,10 +337,8 @@ class Admin:
         return 204, None
 
     def federation_status(self, args: dict[str, Any], who: str) -> Answer:
-        """A link's runner reports a change of its state (runtime/federation.py): only a
-        member does (the secret holder's identity), never an HTTP caller."""
-        if who != TRUSTED:
-            raise AdminError(401, "not_authorised", "Access refused.")
+        """A link's runner reports a change of its state (runtime/federation.py)."""
+        _member_only(who)
         key = (text_arg(args, "vhost"), text_arg(args, "exchange"), text_arg(args, "upstream"))
         state = args.get("state")
         if not isinstance(state, dict):
@@ -350,9 +348,8 @@ class Admin:
 
     def federation_pushed(self, args: dict[str, Any], who: str) -> Answer:
         """A pushing link's upstream confirmed the messages at the head of its push queue up
-        to message ``upto``: they leave it (runtime/federation.py). Only a member asks."""
-        if who != TRUSTED:
-            raise AdminError(401, "not_authorised", "Access refused.")
+        to message ``upto``: they leave it (runtime/federation.py)."""
+        _member_only(who)
         vhost, exchange = text_arg(args, "vhost"), text_arg(args, "exchange")
         upto = args.get("upto")
         if isinstance(upto, bool) or not isinstance(upto, int):
@@ -489,3 +486,10 @@ def _binding_item(b: dict[str, Any]) -> dict[str, Any]:
         **b,
         "destination_type": "q" if kind == "queue" else "e" if kind == "exchange" else kind,
     }
+
+
+def _member_only(who: str) -> None:
+    """Federation runners' own commands: only a member sends them (the secret holder's
+    identity), never an HTTP caller."""
+    if who != TRUSTED:
+        raise AdminError(401, "not_authorised", "Access refused.")

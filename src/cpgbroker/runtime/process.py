@@ -251,10 +251,8 @@ class MemberProcess:
             await refuse(stream, NOT_QUORATE_TEXT if not self.quorum.quorate else RESYNC_TEXT)
             return
         standby = node.standby
-        why = None if standby is None else standby.refusal()
-        if why is not None:
+        if standby is not None and (why := standby.refusal()) is not None:
             # A hot-standby backup: the client is told where the primary is.
-            assert standby is not None
             self.refused += 1
             start = standby.greeting(self.config.broker, node.broker.topology.member_urls)
             await refuse(stream, why, start)
