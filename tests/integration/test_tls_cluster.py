@@ -59,7 +59,7 @@ def test_amqps_failover_with_client_certificates(
         with pytest.raises(REFUSED):
             pika.BlockingConnection(_params(bs, [n], bad)).channel()
     for n in (1, 2, 3):
-        assert "tls handshake failed" in bs.log_path(n).read_text()
+        bs.wait_log(n, "tls handshake failed")
 
     # The failover list starts at member 1: that is where the client lands.
     conn = pika.BlockingConnection(_params(bs, [1, 2, 3], good))

@@ -48,13 +48,6 @@ def slow_event_on_every_member(bs: BrokerSet, seconds: float) -> int:
     return at
 
 
-def wait_in_log(bs: BrokerSet, node: int, text: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in bs.log_path(node).read_text(errors="replace"):
-        assert time.monotonic() < deadline, f"{text!r} never logged:\n{bs.tail(node, 30)}"
-        time.sleep(0.05)
-
-
 def wait_exit(bs: BrokerSet, node: int, timeout: float) -> int:
     try:
         return bs.procs[node].wait(timeout)
@@ -74,12 +67,12 @@ def test_an_event_every_member_is_slow_in_kills_no_member(
     load_until(pub, 100, timeout=60.0)
     at = slow_event_on_every_member(bs, SLOW)
     for n in (1, 2, 3):
-        wait_in_log(bs, n, f"injected slow apply of event {at}", 30)
+        bs.wait_log(n, f"injected slow apply of event {at}", 30)
     t0 = time.monotonic()
     # Every member is inside the event, its event loop blocked for longer than the watchdog
     # timeout; their feeder threads keep the watchdogs fed.
     for n in (1, 2, 3):
-        wait_in_log(bs, n, f"event {at} has been applying for", 2 * TIMEOUT)
+        bs.wait_log(n, f"event {at} has been applying for", 2 * TIMEOUT)
     for n in (1, 2, 3):
         wait_state(bs, n, lambda s: int(s["event_seq"]) > at, timeout=SLOW + 30)
     assert time.monotonic() - t0 > SLOW - 2 * TIMEOUT, "the event was not slow"
@@ -108,7 +101,7 @@ def test_a_member_stopped_alone_inside_a_slow_event_is_still_killed(
     pub.start()
     load_until(pub, 100, timeout=60.0)
     at = slow_event_on_every_member(bs, SLOW)
-    wait_in_log(bs, 3, f"injected slow apply of event {at}", 30)
+    bs.wait_log(3, f"injected slow apply of event {at}", 30)
     t0 = time.monotonic()
     # Hung while the others are slow in the same event: it makes no progress, they do.
     os.kill(bs.procs[3].pid, signal.SIGSTOP)

@@ -180,6 +180,27 @@ class BrokerSet:
     def log_path(self, nodeid: int) -> Path:
         return Path(self.dc.node(nodeid).dir) / f"{self.name}.log"
 
+    def wait_log(self, nodeid: int, text: str, timeout: float = 10.0) -> str:
+        """The member's log once it holds ``text``.
+
+        A member logs what it did after the peer has seen it (a refused TLS handshake reaches
+        the client before the line reaches the file), so a check right after the client's
+        error must wait for the line rather than read the file once.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                log = self.log_path(nodeid).read_text(errors="replace")
+            except OSError:
+                log = ""
+            if text in log:
+                return log
+            if time.monotonic() > deadline:
+                raise DevClusterError(
+                    f"{text!r} never logged by member {nodeid}:\n{self.tail(nodeid, 30)}"
+                )
+            time.sleep(0.05)
+
     def event_log_path(self, nodeid: int) -> Path:
         return Path(self.dc.node(nodeid).dir) / f"{self.name}.events.jsonl"
 
