@@ -8,10 +8,11 @@ JSON.
 One requester sends a request, waits for its answer and sends the next (pika, one connection
 each, the requester consuming ``amq.rabbitmq.reply-to``); one server answers each request to
 its reply-to. ``p50_ms``/``p99_ms`` are round trips as the requester times them; ``calls_s``
-the calls per second. In the cluster both clients are on the same member, so every request and
-every answer still crosses CPG (and waits for the ring's order) before the member applies it:
-what #18's non-replicated reply queues would avoid, and what this measures against a standalone
-broker. RabbitMQ 3.10.8 (Debian's package) runs as a private node (tests/clients/rabbitmqnode.py).
+the calls per second. In the cluster both clients are on the same member, first on its AMQP
+port, where every request and every answer crosses CPG (and waits for the ring's order) before
+the member applies it, then on its member-local port (``[cluster] local_listen``), where
+nothing does: that is measured against a standalone broker. RabbitMQ 3.10.8 (Debian's
+package) runs as a private node (tests/clients/rabbitmqnode.py).
 Root for the cluster (namespaces). Never run two benchmarks at once on a 2-core machine.
 """
 
@@ -102,10 +103,15 @@ def cluster(calls: int) -> dict[str, Any]:
 
     dc = DevCluster(3, prefix="rpcbench", token_ms=3000)
     with dc:
-        brokers = BrokerSet(dc, event_log=False)
+        brokers = BrokerSet(dc, event_log=False, local=True)
         brokers.start_all()
         try:
-            return measure(brokers.url(1), calls)
+            # Replicated (the member's AMQP port), then member-local (its local_listen port:
+            # runtime/localbroker.py), on the same member of the same cluster.
+            return {
+                "replicated": measure(brokers.url(1), calls),
+                "member_local": measure(brokers.local_url(1), calls),
+            }
         finally:
             brokers.stop_all()
 
@@ -132,11 +138,17 @@ def main() -> int:
     a = ap.parse_args()
     out: dict[str, Any] = {"calls": a.calls, "cpgbroker_standalone": standalone(a.calls)}
     if a.cluster:
-        out["cpgbroker_cluster_one_member"] = cluster(a.calls)
+        both = cluster(a.calls)
+        out["cpgbroker_cluster_one_member"] = both["replicated"]
+        out["cpgbroker_cluster_member_local"] = both["member_local"]
     if a.rabbitmq:
         out["rabbitmq_single"] = rabbitmq(a.calls)
     base = out["cpgbroker_standalone"]["p50_ms"]
-    for key in ("cpgbroker_cluster_one_member", "rabbitmq_single"):
+    for key in (
+        "cpgbroker_cluster_one_member",
+        "cpgbroker_cluster_member_local",
+        "rabbitmq_single",
+    ):
         if "p50_ms" in out.get(key, {}):
             out[f"{key}_p50_x_standalone"] = round(out[key]["p50_ms"] / base, 2)
     print(json.dumps(out, indent=2))

@@ -78,6 +78,7 @@ class BrokerSet:
         store_options: str = "",
         tls: bool = False,
         cluster_options: str = "",
+        local: bool = False,
     ) -> None:
         self.dc = dc
         # More ``[cluster]`` lines (TOML), e.g. ``mode = "hot-standby"``.
@@ -108,6 +109,12 @@ class BrokerSet:
             used = {p for pair in ports.values() for p in pair}
             spare = [p for p in free_ports(3 * len(dc.nodes)) if p not in used]
             self.tls_ports = {n.nodeid: spare[i] for i, n in enumerate(dc.nodes)}
+        # A member-local listener per member too (``local_url``: ``[cluster] local_listen``).
+        self.local_ports: dict[int, int] = {}
+        if local:
+            used = {p for pair in ports.values() for p in pair} | set(self.tls_ports.values())
+            spare = [p for p in free_ports(4 * len(dc.nodes)) if p not in used]
+            self.local_ports = {n.nodeid: spare[i] for i, n in enumerate(dc.nodes)}
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
     # -- persistence (for `cpgbroker devcluster` commands run as separate processes)
@@ -155,6 +162,9 @@ class BrokerSet:
     # -- addresses
     def url(self, nodeid: int) -> str:
         return f"amqp://guest:guest@127.0.0.1:{self.ports[nodeid][0]}/"
+
+    def local_url(self, nodeid: int) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.local_ports[nodeid]}/"
 
     def tls_url(self, nodeid: int) -> str:
         return f"amqps://guest:guest@127.0.0.1:{self.tls_ports[nodeid]}/"
@@ -235,6 +245,8 @@ class BrokerSet:
             lines.append(f'event_log = "{self.event_log_path(nodeid)}"')
         if self.checkpoint_every is not None:
             lines.append(f"checkpoint_every = {self.checkpoint_every}")
+        if nodeid in self.local_ports:
+            lines.append(f'local_listen = ["127.0.0.1:{self.local_ports[nodeid]}"]')
         if self.cluster_options:
             lines.append(self.cluster_options)
         if self.store:

@@ -251,6 +251,21 @@ class Broker:
             )
         self.event_seq = seq
 
+    def mirror_access(self, other: Broker) -> None:
+        """Log clients in as ``other`` does: take its users, their permissions and its vhosts.
+
+        For a member-local broker (runtime/localbroker.py), which is not replicated and so
+        sees none of the operators' changes: its member calls this before each new client.
+        Vhosts are only added: a vhost deleted in ``other`` is no longer open to anyone here
+        (its users' permissions on it went with it), and what clients have in it here stays
+        until they are gone.
+        """
+        if self.users.by_name != other.users.by_name:
+            self.users.restore(other.users.by_name.values())
+        for name in other.vhosts:
+            if name not in self.vhosts:
+                self.topology.add_vhost(name)
+
     def set_emit(self, conn_id: int, emit: bool) -> None:
         """Mark a connection as this replica's own (emit output) or a shadow (discard)."""
         conn = self.connections.get(conn_id)

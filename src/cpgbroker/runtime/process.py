@@ -26,6 +26,7 @@ from cpgbroker.errors import ClusterError, CpgError
 from cpgbroker.model.broker import Broker
 from cpgbroker.runtime import admin, sdnotify, watchdog
 from cpgbroker.runtime.cpg_trio import open_cpg
+from cpgbroker.runtime.localbroker import LocalBroker
 from cpgbroker.runtime.member import (
     NOT_QUORATE_TEXT,
     RESYNC_TEXT,
@@ -123,6 +124,11 @@ class MemberProcess:
         self.applying = watchdog.ApplyMark()
         # Updater children of every incarnation (see runtime/updater.py), reaped here.
         self.updates: dict[int, dict[str, Any]] = {}
+        # Member-local clients (``[cluster] local_listen``): outlive incarnations, like the
+        # listeners, since nothing of theirs is the cluster's.
+        self.local: LocalBroker | None = (
+            LocalBroker(config, self.replica) if self.cluster.local_listen else None
+        )
 
     def status(self, with_digest: bool = False) -> dict[str, Any]:
         node = self.node
@@ -148,6 +154,8 @@ class MemberProcess:
         if self.storage is not None:
             out["store"] = self.storage.status()
         out["refused_connections"] = self.refused
+        if self.local is not None:
+            out["local"] = self.local.status()
         out["watchdog"] = (
             None
             if self.watchdog is None
@@ -352,6 +360,8 @@ class MemberProcess:
                     task_status.started(self.bound)
                 if self.stop.is_set():
                     break
+            if self.local is not None:
+                await self.local.shutdown(config.shutdown_grace)
             outer.cancel_scope.cancel()
         for lst in listeners:
             await lst.aclose()
@@ -511,6 +521,8 @@ class MemberProcess:
                             opened, self.bound = await open_listeners(config)
                             listeners.extend(opened)
                             outer.start_soon(self._accept, listeners, outer)
+                            if self.local is not None:
+                                await outer.start(self.local.serve)
                         served = True
                         self.kept = None  # serving again: the kept state was resumed or replaced
                         self.restarted = False

@@ -70,6 +70,10 @@ class ClusterConfig:
     # member does; the others turn clients away naming it: runtime/standby.py). Every member
     # must use the same (it is part of what members compare when they join).
     mode: str = "active-active"
+    # Member-local AMQP listeners (HOST:PORT; none by default): what clients do there never
+    # crosses the cluster. Their queues live on this member only and die with it
+    # (runtime/localbroker.py); users, permissions and vhosts are the cluster's.
+    local_listen: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -106,6 +110,17 @@ def with_force_boot(cfg: ServerConfig) -> ServerConfig:
     if cfg.cluster is None or cfg.store is None:
         raise ConfigError("--force-boot is for a cluster member with a store ([cluster], [store])")
     return attrs.evolve(cfg, cluster=attrs.evolve(cfg.cluster, force_boot=True))
+
+
+def _addresses(raw: Any, key: str) -> tuple[str, ...]:
+    """A HOST:PORT or an array of them, each checked."""
+    if isinstance(raw, str):
+        raw = [raw]
+    if not isinstance(raw, list) or not all(isinstance(a, str) for a in raw):
+        raise ConfigError(f'{key} must be an array of "HOST:PORT" strings')
+    for addr in raw:
+        parse_listen(addr)
+    return tuple(raw)
 
 
 def parse_listen(addr: str) -> tuple[str, int]:
@@ -311,6 +326,7 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             fault_injection=bool(c.get("fault_injection", False)),
             allow_plaintext_ring=bool(c.get("allow_plaintext_ring", False)),
             mode=str(c.get("mode", "active-active")),
+            local_listen=_addresses(c.get("local_listen", []), "cluster.local_listen"),
         )
         if cluster.update_listen:
             parse_listen(cluster.update_listen)
@@ -330,6 +346,7 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             "fault_injection",
             "allow_plaintext_ring",
             "mode",
+            "local_listen",
         )
         unknown_c = sorted(k for k in c if k not in known_keys)
         if unknown_c:

@@ -1,0 +1,113 @@
+"""Member-local connections (runtime/localbroker.py): the ``local_listen`` setting, a local
+broker that logs clients in with the cluster replica's users and vhosts, and its own queues.
+The cluster side (nothing crosses CPG, the queues die with the member) is proven on real
+corosync in tests/integration/test_member_local.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import pytest
+import trio
+
+from cpgbroker.errors import ConfigError
+from cpgbroker.model import auth
+from cpgbroker.model.broker import Broker
+from cpgbroker.model.config import BrokerConfig, Permission, Policy, User
+from cpgbroker.runtime.amqpclient import AmqpClient, ConnectionClosed
+from cpgbroker.runtime.localbroker import LocalBroker
+from cpgbroker.runtime.settings import ClusterConfig, ServerConfig, load
+
+
+def _user(name: str, pw: str, vhost: str = "/") -> User:
+    return User(
+        name,
+        "",
+        vhosts=(),
+        password_hash=auth.hash_password(pw, b"salt"),
+        hashing_algorithm=auth.DEFAULT_ALGORITHM,
+        permissions=(Permission(vhost),),
+    )
+
+
+def test_local_listen_is_a_cluster_key_with_checked_addresses(tmp_path: Path) -> None:
+    good = tmp_path / "good.toml"
+    good.write_text('[cluster]\ngroup = "g"\nlocal_listen = "127.0.0.1:5682"\n')
+    cluster = load(str(good)).cluster
+    assert cluster is not None and cluster.local_listen == ("127.0.0.1:5682",)
+    two = tmp_path / "two.toml"
+    two.write_text('[cluster]\ngroup = "g"\nlocal_listen = ["127.0.0.1:5682", "[::1]:5682"]\n')
+    assert load(str(two)).cluster.local_listen == ("127.0.0.1:5682", "[::1]:5682")  # type: ignore[union-attr]
+    for bad, why in (("5682", "not HOST:PORT"), ("127.0.0.1:99999", "out of range")):
+        path = tmp_path / "bad.toml"
+        path.write_text(f'[cluster]\ngroup = "g"\nlocal_listen = ["{bad}"]\n')
+        with pytest.raises(ConfigError, match=why):
+            load(str(path))
+    path = tmp_path / "bad.toml"
+    path.write_text('[cluster]\ngroup = "g"\nlocal_listen = 5682\n')
+    with pytest.raises(ConfigError, match=r"cluster\.local_listen must be an array"):
+        load(str(path))
+
+
+def test_a_local_broker_takes_the_replicas_users_and_vhosts() -> None:
+    replica = Broker(BrokerConfig(users=(_user("a", "pa"),)))
+    local = Broker(BrokerConfig())
+    assert "a" not in local.users.by_name
+    replica.topology.add_vhost("rpc")
+    replica.users.put(_user("b", "pb", "rpc"))
+    local.mirror_access(replica)
+    assert list(local.users.by_name) == list(replica.users.by_name)
+    assert "rpc" in local.vhosts and local.permissions is not replica.permissions
+    # A deleted user and a changed permission follow at the next mirror.
+    replica.users.delete("a")
+    replica.users.clear_permission("b", "rpc")
+    local.mirror_access(replica)
+    assert "a" not in local.users.by_name
+    assert not local.users.by_name["b"].may_open("rpc")
+
+
+def _config(replica_users: tuple[User, ...]) -> ServerConfig:
+    return ServerConfig(
+        broker=BrokerConfig(
+            users=replica_users,
+            policies=(Policy("/", "ttl", ".*", "queues", {"message-ttl": 1}),),
+        ),
+        cluster=ClusterConfig(group="g", size=1, local_listen=("127.0.0.1:0",)),
+    )
+
+
+async def test_a_local_broker_serves_clients_with_the_replicas_logins() -> None:
+    replica = Broker(BrokerConfig(users=(_user("guest", "guest"),)))
+    lb = LocalBroker(_config(()), lambda: replica)
+    # Its policies are the cluster's business: none here, whatever the configuration seeds.
+    assert not lb.config.broker.policies
+    async with trio.open_nursery() as nursery:
+        ((host, port),) = await nursery.start(lb.serve)
+        url = f"amqp://{{}}@{host}:{port}/"
+        # A user the configuration never named, added to the replica, logs in here.
+        replica.users.put(_user("app", "app-pw"))
+        async with await AmqpClient.connect(url.format("app:app-pw")) as client:
+            ch = await client.channel()
+            await ch.queue_declare("local.q")
+            await ch.confirm_select()
+            await ch.publish("", "local.q", b"hello")
+            assert await ch.wait_for_confirms()
+            assert lb.status()["queues"] == 1 and lb.status()["messages"] == 1
+            assert lb.status()["connections"] == 1
+        # Deleted in the replica: refused here too.
+        replica.users.delete("app")
+        with pytest.raises(ConnectionClosed) as e:
+            await AmqpClient.connect(url.format("app:app-pw"))
+        assert e.value.reply_code == 403
+        await lb.shutdown(1.0)
+        with pytest.raises((ConnectionClosed, OSError)):
+            await AmqpClient.connect(url.format("guest:guest"), timeout=1)
+        nursery.cancel_scope.cancel()
+
+
+def test_the_local_broker_is_configured_apart_from_the_cluster() -> None:
+    cfg = attrs.evolve(_config(()), listen=("127.0.0.1:5672",), listen_tls=())
+    lb = LocalBroker(cfg, lambda: None)
+    assert lb.config.listen == ("127.0.0.1:0",)
+    assert lb.config.cluster is None and lb.config.store is None
