@@ -11,6 +11,7 @@ import attrs
 import pytest
 import trio
 
+import tlscerts
 from cpgbroker.errors import ConfigError
 from cpgbroker.model import auth
 from cpgbroker.model.broker import Broker
@@ -111,3 +112,28 @@ def test_the_local_broker_is_configured_apart_from_the_cluster() -> None:
     lb = LocalBroker(cfg, lambda: None)
     assert lb.config.listen == ("127.0.0.1:0",)
     assert lb.config.cluster is None and lb.config.store is None
+
+
+async def test_a_local_amqps_listener_serves_with_the_tls_section(tmp_path: Path) -> None:
+    certs = tlscerts.make(tmp_path / "certs")
+    path = tmp_path / "member.toml"
+    path.write_text(
+        '[cluster]\ngroup = "g"\nlocal_listen_tls = ["127.0.0.1:0"]\n' + tlscerts.tls_table(certs)
+    )
+    replica = Broker(BrokerConfig(users=(_user("app", "app-pw"),)))
+    lb = LocalBroker(load(str(path)), lambda: replica)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lb.serve)
+        assert lb.bound == [] and len(lb.bound_tls) == 1
+        host, port = lb.bound_tls[0]
+        async with await AmqpClient.connect(
+            f"amqps://app:app-pw@{host}:{port}/", ssl_context=certs.client_context()
+        ) as client:
+            ch = await client.channel()
+            await ch.queue_declare("local.tls")
+        assert lb.status()["listen_tls"] == [f"{host}:{port}"]
+        nursery.cancel_scope.cancel()
+    no_tls = tmp_path / "no-tls.toml"
+    no_tls.write_text('[cluster]\ngroup = "g"\nlocal_listen_tls = ["127.0.0.1:0"]\n')
+    with pytest.raises(ConfigError, match=r"local_listen_tls needs a \[tls\] section"):
+        load(str(no_tls))

@@ -29,6 +29,7 @@ from cpgbroker.model.broker import Broker
 from cpgbroker.model.events import Tick
 from cpgbroker.runtime.server import ClientStream, Node, open_listeners
 from cpgbroker.runtime.settings import ServerConfig
+from cpgbroker.runtime.tls import TlsListener
 
 log = logging.getLogger("cpgbroker.local")
 
@@ -37,11 +38,12 @@ class LocalBroker:
     """The member-local broker: its listeners, its node and its model."""
 
     def __init__(self, config: ServerConfig, replica: Callable[[], Broker | None]) -> None:
-        assert config.cluster is not None and config.cluster.local_listen
+        cluster = config.cluster
+        assert cluster is not None and (cluster.local_listen or cluster.local_listen_tls)
         self.config = attrs.evolve(
             config,
-            listen=config.cluster.local_listen,
-            listen_tls=(),
+            listen=cluster.local_listen,
+            listen_tls=cluster.local_listen_tls,
             cluster=None,
             store=None,
             # Policies and federation links are the cluster's business: they act on replicated
@@ -53,6 +55,7 @@ class LocalBroker:
         self.broker = self.node.standalone.broker
         self._replica = replica
         self.bound: list[tuple[str, int]] = []
+        self.bound_tls: list[tuple[str, int]] = []
         self._accepting = trio.CancelScope()
 
     async def serve(
@@ -60,9 +63,17 @@ class LocalBroker:
     ) -> None:
         """Accept member-local clients until :meth:`shutdown` (or cancelled)."""
         listeners, self.bound = await open_listeners(self.config)
+        self.bound_tls = [
+            _address(lst.transport_listener) for lst in listeners if isinstance(lst, TlsListener)
+        ]
         log.info(
             "member-local listeners (not replicated): %s",
-            ", ".join(f"{h}:{p}" for h, p in self.bound),
+            ", ".join(
+                [
+                    *(f"{h}:{p}" for h, p in self.bound),
+                    *(f"amqps {h}:{p}" for h, p in self.bound_tls),
+                ]
+            ),
         )
         node = self.node
         await node.submit(Tick(node.now_ms()))
@@ -95,7 +106,13 @@ class LocalBroker:
         queues = [q for vh in self.broker.vhosts.values() for q in vh.queues.values()]
         return {
             "listen": [f"{h}:{p}" for h, p in self.bound],
+            "listen_tls": [f"{h}:{p}" for h, p in self.bound_tls],
             "connections": len(self.node.local),
             "queues": len(queues),
             "messages": sum(len(q.messages) + q.unacked for q in queues),
         }
+
+
+def _address(lst: trio.SocketListener) -> tuple[str, int]:
+    addr = lst.socket.getsockname()
+    return str(addr[0]), int(addr[1])

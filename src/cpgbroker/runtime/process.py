@@ -127,7 +127,9 @@ class MemberProcess:
         # Member-local clients (``[cluster] local_listen``): outlive incarnations, like the
         # listeners, since nothing of theirs is the cluster's.
         self.local: LocalBroker | None = (
-            LocalBroker(config, self.replica) if self.cluster.local_listen else None
+            LocalBroker(config, self.replica)
+            if self.cluster.local_listen or self.cluster.local_listen_tls
+            else None
         )
 
     def status(self, with_digest: bool = False) -> dict[str, Any]:

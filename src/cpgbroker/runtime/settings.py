@@ -74,6 +74,8 @@ class ClusterConfig:
     # crosses the cluster. Their queues live on this member only and die with it
     # (runtime/localbroker.py); users, permissions and vhosts are the cluster's.
     local_listen: tuple[str, ...] = ()
+    # ... and member-local amqps listeners, served with ``[tls]`` like ``listen_tls``.
+    local_listen_tls: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -327,6 +329,7 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             allow_plaintext_ring=bool(c.get("allow_plaintext_ring", False)),
             mode=str(c.get("mode", "active-active")),
             local_listen=_addresses(c.get("local_listen", []), "cluster.local_listen"),
+            local_listen_tls=_addresses(c.get("local_listen_tls", []), "cluster.local_listen_tls"),
         )
         if cluster.update_listen:
             parse_listen(cluster.update_listen)
@@ -347,6 +350,7 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             "allow_plaintext_ring",
             "mode",
             "local_listen",
+            "local_listen_tls",
         )
         unknown_c = sorted(k for k in c if k not in known_keys)
         if unknown_c:
@@ -367,6 +371,8 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             raise ConfigError("cluster.fault_injection must be true or false")
         if not isinstance(c.get("allow_plaintext_ring", False), bool):
             raise ConfigError("cluster.allow_plaintext_ring must be true or false")
+        if cluster.local_listen_tls and tls is None:
+            raise ConfigError("cluster.local_listen_tls needs a [tls] section (certfile, keyfile)")
     store = _store(dict(data["store"])) if "store" in data else None
     if store is not None and cluster is None:
         raise ConfigError("[store] needs [cluster]: the store records a cluster member's stream")
