@@ -98,9 +98,10 @@ SETTLE_TIMEOUT = 60.0
 # How often a running link refreshes its reported counters, and announces itself upstream.
 REPORT_EVERY = 5.0
 ANNOUNCE_EVERY = 30.0
-# How often a pushing link looks at its push queue when it found it empty, and how many
-# batches it may have sent and not yet seen confirmed and removed.
-PUSH_POLL = 0.005
+# A pushing link that found its push queue empty looks again when the member has applied more
+# events (FederationLinks.applied), or after this long at the latest; and how many batches it
+# may have sent and not yet seen confirmed and removed.
+PUSH_RECHECK = 1.0
 PUSH_BATCHES_IN_FLIGHT = 4
 # How many forwarded batches may wait for the cluster's answer while the next ones go out.
 FORWARD_BATCHES_IN_FLIGHT = 4
@@ -256,6 +257,23 @@ class FederationLinks:
         self._ssl_context = ssl_context
         # Links this member runs: key -> (cancel scope, state).
         self.running: dict[tuple[str, str, str], tuple[trio.CancelScope, LinkState]] = {}
+        # Set when the member has applied more events, for pushing links waiting on an empty
+        # push queue (None while none waits).
+        self._applied: trio.Event | None = None
+
+    def applied(self) -> None:
+        """The member applied a batch of events: a push queue may have grown. Called once per
+        delivered batch, so it costs a test when no link waits."""
+        ev = self._applied
+        if ev is not None:
+            self._applied = None
+            ev.set()
+
+    async def _wait_applied(self) -> None:
+        if self._applied is None:
+            self._applied = trio.Event()
+        with trio.move_on_after(PUSH_RECHECK):
+            await self._applied.wait()
 
     def status(self) -> list[dict[str, Any]]:
         return [
@@ -649,7 +667,8 @@ class FederationLinks:
             while True:
                 batch = self._push_batch(link, sent_upto)
                 if not batch:
-                    await trio.sleep(PUSH_POLL)
+                    # Nothing new to send: until the member has applied more (no polling).
+                    await self._wait_applied()
                     continue
                 confirms = []
                 for _, rk, header, body in batch:

@@ -457,6 +457,7 @@ class ClusterNode:
             self.io.answer_expected = False
             if self.confirms.holding or self.desk.unsettled:
                 self._release_stable()
+            self.federation.applied()
 
     def _report_for_confirms(self) -> None:
         broker = self.broker
