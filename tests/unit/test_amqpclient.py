@@ -589,3 +589,39 @@ async def test_amqps(tmp_path: Path) -> None:
             with pytest.raises(ConnectionClosed) as e:
                 await AmqpClient.connect(secure)
             assert e.value.reply_code == 0 and "CERTIFICATE_VERIFY_FAILED" in str(e.value)
+
+
+async def test_a_no_ack_consumer_that_falls_behind_stops_the_reading_not_the_connection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cpgbroker.runtime import amqpclient
+
+    monkeypatch.setattr(amqpclient, "NO_ACK_HIGH_WATER", 1 << 20)
+    monkeypatch.setattr(amqpclient, "NO_ACK_LOW_WATER", 256 << 10)
+    bodies = [b"%04d" % i + bytes(20 * 1024) for i in range(200)]  # 4 MiB
+    with trio.fail_after(60):
+        async with (
+            standalone(tmp_path) as (port, _),
+            await AmqpClient.connect(url(port)) as pub,
+            await AmqpClient.connect(url(port), heartbeat=1) as slow,
+        ):
+            ch = await pub.channel()
+            await ch.queue_declare("slow.q")
+            await ch.confirm_select()
+            for b in bodies:
+                await ch.publish("", "slow.q", b)
+            assert await ch.wait_for_confirms()
+            rx = await slow.channel()
+            consumer = await rx.consume("slow.q", no_ack=True)
+            # It takes nothing for three heartbeat intervals: the client holds about the high
+            # mark (plus what one read brings), the broker keeps the rest, and the connection
+            # is not declared dead for the heartbeats it did not read meanwhile.
+            await trio.sleep(3)
+            held = slow._reads.bytes
+            assert (1 << 20) <= held <= (1 << 20) + 2 * amqpclient.RECV_SIZE, held
+            assert slow.is_open and slow._reads.paused
+            got = [(await consumer.receive()).body for _ in bodies]
+            assert got == bodies
+            assert slow._reads.bytes == 0 and not slow._reads.paused
+            # And the connection still works.
+            assert (await rx.queue_declare("slow.q", passive=True))[1] == 0

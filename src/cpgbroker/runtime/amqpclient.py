@@ -73,6 +73,12 @@ from cpgbroker.runtime.amqpproto import (
 
 # ---------------------------------------------------------------------------------- trio
 
+# Bytes of deliveries that no-ack consumers have not taken yet: above the high mark the reader
+# stops reading (TCP then holds the broker back), below the low mark it reads again. Acked
+# consumers need no mark: their prefetch bounds what the broker sends them.
+NO_ACK_HIGH_WATER = 16 * 1024 * 1024
+NO_ACK_LOW_WATER = 4 * 1024 * 1024
+
 
 class Confirmation:
     """The broker's verdict on one publish in confirm mode: :meth:`wait` returns True (ack)
@@ -123,17 +129,23 @@ class Consumer:
     :class:`ConsumerCancelled` when the broker cancels the consumer, and
     :class:`ChannelClosed`/:class:`ConnectionClosed` when its channel or connection goes.
 
-    The buffer is unbounded so that one slow consumer never stops the reader (and with it the
-    other channels and the heartbeat check); the channel's :meth:`Channel.basic_qos`
-    prefetch is what bounds it, so consume with acks and a prefetch.
+    With acks, the channel's :meth:`Channel.basic_qos` prefetch bounds the buffer, so one slow
+    consumer never stops the reader (and with it the other channels). Without acks nothing
+    does: once the no-ack consumers of a connection hold :data:`NO_ACK_HIGH_WATER` bytes
+    between them, the connection stops reading until they have taken all but
+    :data:`NO_ACK_LOW_WATER` (its other channels wait meanwhile, and the broker's heartbeats
+    are not missed: they wait in the socket).
     """
 
-    def __init__(self, channel: Channel, consumer_tag: str) -> None:
+    def __init__(self, channel: Channel, consumer_tag: str, no_ack: bool = False) -> None:
         self.channel = channel
         self.consumer_tag = consumer_tag
         self._send, self._recv = trio.open_memory_channel[Delivery | AmqpClientError](math.inf)
         self._error: AmqpClientError | None = None
         self._ended = False
+        # No-ack: the bytes this consumer holds count towards its connection's mark.
+        self._reads = channel._client._reads if no_ack else None
+        self._held = 0
 
     async def receive(self) -> Delivery:
         """The next delivery; :class:`trio.EndOfChannel` once cancelled by us."""
@@ -148,6 +160,9 @@ class Consumer:
         except trio.WouldBlock:
             item = await self._recv.receive()
         if isinstance(item, Delivery):
+            if self._reads is not None and not self._ended:
+                self._held -= len(item.body)
+                self._reads.taken(len(item.body))
             return item
         self._error = item
         raise fresh_error(item)
@@ -164,14 +179,49 @@ class Consumer:
     def _put(self, delivery: Delivery) -> None:
         if not self._ended:
             self._send.send_nowait(delivery)
+            if self._reads is not None:
+                self._held += len(delivery.body)
+                self._reads.held(len(delivery.body))
 
     def _end(self, error: AmqpClientError | None) -> None:
         if self._ended:
             return
         self._ended = True
+        if self._reads is not None:
+            # What is left may never be taken: it no longer holds the reader back.
+            self._reads.taken(self._held)
+            self._held = 0
         if error is not None:
             self._send.send_nowait(error)
         self._send.close()
+
+
+class ReadGate:
+    """Whether a connection's reader may read: the bytes its no-ack consumers hold, against
+    :data:`NO_ACK_HIGH_WATER` / :data:`NO_ACK_LOW_WATER`."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.paused = False
+        self._resume = trio.Event()
+
+    def held(self, n: int) -> None:
+        self.bytes += n
+
+    def taken(self, n: int) -> None:
+        self.bytes -= n
+        if self.paused and self.bytes <= NO_ACK_LOW_WATER:
+            self.paused = False
+            self._resume.set()
+
+    async def wait(self) -> bool:
+        """Until the reader may read; whether it had to wait."""
+        if self.bytes <= NO_ACK_HIGH_WATER:
+            return False
+        self.paused = True
+        self._resume = trio.Event()
+        await self._resume.wait()
+        return True
 
 
 class _Rpc:
@@ -333,7 +383,7 @@ class Channel:
         exclusive: bool = False,
         arguments: dict[str, Any] | None = None,
     ) -> Consumer:
-        consumer = Consumer(self, consumer_tag)
+        consumer = Consumer(self, consumer_tag, no_ack)
 
         def registered(ok: commands.Basic.ConsumeOk) -> None:
             # Runs in the reader, before any delivery read after consume-ok is routed.
@@ -566,6 +616,7 @@ class AmqpClient:
         self._room_lot = trio.lowlevel.ParkingLot()
         self._scope = trio.CancelScope()
         self._last_sent = self._last_received = trio.current_time()
+        self._reads = ReadGate()
 
     @property
     def server_properties(self) -> dict[str, Any]:
@@ -762,8 +813,11 @@ class AmqpClient:
             self._teardown(ConnectionClosed(0, f"socket to {self.url}: {_describe(e)}"))
 
     async def _reader(self) -> None:
-        stream, proto, dispatch = self._stream, self._proto, self._dispatch
+        stream, proto, dispatch, reads = self._stream, self._proto, self._dispatch, self._reads
         while not proto.closed:
+            if await reads.wait():
+                # Not read is not missed: the heartbeat check starts afresh.
+                self._last_received = trio.current_time()
             data = await stream.receive_some(RECV_SIZE)
             if not data:
                 raise ConnectionClosed(0, f"{self.url} closed the socket")
@@ -796,7 +850,9 @@ class AmqpClient:
         half = interval / 2
         while True:
             now = trio.current_time()
-            if now - self._last_received > 2 * interval:
+            if self._reads.paused:
+                self._last_received = now  # we are not reading: the broker is not silent
+            elif now - self._last_received > 2 * interval:
                 raise ConnectionClosed(
                     0, f"missed heartbeats: nothing from {self.url} in {2 * interval} s"
                 )
