@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import subprocess
@@ -35,6 +36,17 @@ PROPERTY_FIELDS = (
     "user_id",
     "app_id",
 )
+
+
+# guest with the administrator tag (still loopback-only): it may use the management API.
+ADMIN_GUEST = """
+[[users]]
+name = "guest"
+password = "guest"
+loopback_only = true
+tags = ["administrator"]
+"""
+GUEST_AUTH = "Basic " + base64.b64encode(b"guest:guest").decode()
 
 
 def management(

@@ -13,7 +13,6 @@ not the default 5 s, to keep the tests short.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import selectors
 import socket
@@ -30,21 +29,15 @@ from typing import Any
 import pika
 import pika.exceptions
 import pytest
-from brokerclients import connect, management
+from brokerclients import ADMIN_GUEST, GUEST_AUTH, connect, management
 
 from cpgbroker.dev.brokers import BrokerSet
 from cpgbroker.dev.cluster import DevCluster
 
 pytestmark = pytest.mark.integration
 
-USERS = """
-[[users]]
-name = "guest"
-password = "guest"
-loopback_only = true
-tags = ["administrator"]
-"""
-AUTH = "Basic " + base64.b64encode(b"guest:guest").decode()
+USERS = ADMIN_GUEST
+AUTH = GUEST_AUTH
 # How long a link may take to (re)connect, declare and bind: a reconnect delay of 1 s, the
 # runner's recheck (0.5 s) and a few round trips, with room for a loaded 2-core machine.
 LINK_WAIT = 20.0

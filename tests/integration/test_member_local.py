@@ -4,13 +4,21 @@ the replicated queues beside them are untouched (runtime/localbroker.py)."""
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Callable
 
 import pika
 import pika.exceptions
 import pytest
-from brokerclients import OPEN, ConfirmingPublisher, drain_queue, load_until, management, queues
+from brokerclients import (
+    ADMIN_GUEST,
+    GUEST_AUTH,
+    OPEN,
+    ConfirmingPublisher,
+    drain_queue,
+    load_until,
+    management,
+    queues,
+)
 
 from cpgbroker.dev.brokers import BrokerSet
 
@@ -18,14 +26,6 @@ pytestmark = pytest.mark.integration
 
 ROUND_TRIPS = 200
 BODY = b"x" * 1024
-ADMIN = """
-[[users]]
-name = "guest"
-password = "guest"
-loopback_only = true
-tags = ["administrator"]
-"""
-GUEST = "Basic " + base64.b64encode(b"guest:guest").decode()
 
 
 def local(
@@ -83,7 +83,7 @@ def rpc_round_trips(server: pika.BlockingConnection, client: pika.BlockingConnec
 def test_member_local_traffic_stays_off_the_cluster_and_dies_with_its_member(
     broker_set: Callable[..., BrokerSet],
 ) -> None:
-    bs = broker_set(local=True, extra_config=ADMIN)
+    bs = broker_set(local=True, extra_config=ADMIN_GUEST)
     # Replicated work beside it: confirmed on every member.
     pub = ConfirmingPublisher(bs, [2], "work", "work")
     pub.start()
@@ -113,7 +113,7 @@ def test_member_local_traffic_stays_off_the_cluster_and_dies_with_its_member(
     # Users are the cluster's: one added through the management API of member 3 logs in at
     # member 1's local port; a wrong password is refused there.
     status, _ = management(
-        bs, 3, "PUT", "/api/users/app", GUEST, {"password": "app-pw", "tags": ""}
+        bs, 3, "PUT", "/api/users/app", GUEST_AUTH, {"password": "app-pw", "tags": ""}
     )
     assert status == 201
     status, _ = management(
@@ -121,7 +121,7 @@ def test_member_local_traffic_stays_off_the_cluster_and_dies_with_its_member(
         3,
         "PUT",
         "/api/permissions/%2F/app",
-        GUEST,
+        GUEST_AUTH,
         {"configure": ".*", "write": ".*", "read": ".*"},
     )
     assert status in (201, 204)
