@@ -348,6 +348,12 @@ def _status(target: AdminTarget, as_json: bool) -> int:
         print(f"PUBLISHERS BLOCKED: {why}")
     conns = data.get("connections", {})
     print(f"connections: {conns.get('local', 0)} local, {conns.get('shadow', 0)} shadow")
+    if lb := data.get("local"):
+        where = ", ".join([*lb["listen"], *(f"amqps {a}" for a in lb.get("listen_tls", []))])
+        print(
+            f"member-local (not replicated) on {where}: {lb['connections']} connections, "
+            f"{lb['queues']} queues, {lb['messages']} messages"
+        )
     for name, q in sorted(data.get("queues", {}).items()):
         counts = f"{q['ready']} ready, {q['unacked']} unacked, {q['consumers']} consumers"
         print(f"  queue {name}: {counts}")

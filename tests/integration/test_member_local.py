@@ -4,6 +4,8 @@ the replicated queues beside them are untouched (runtime/localbroker.py)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pika
@@ -102,6 +104,17 @@ def test_member_local_traffic_stays_off_the_cluster_and_dies_with_its_member(
     # members' local brokers.
     s1 = bs.status(1)
     assert s1["local"]["queues"] >= 1 and s1["local"]["connections"] == 2, s1["local"]
+    # Operators see them: `cpgbroker status` and the Prometheus endpoint.
+    out = subprocess.run(
+        [sys.executable, "-m", "cpgbroker", "status", *bs.cli_args(1)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert f"member-local (not replicated) on 127.0.0.1:{bs.local_ports[1]}: 2 connections" in out
+    _, metrics = management(bs, 1, "GET", "/metrics", f"Bearer {bs.admin_target(1).secret}")
+    assert "cpgbroker_local_connections 2.0" in metrics, metrics
     for n in (1, 2, 3):
         assert "/:rpc.requests" not in queues(bs, n)
     other = local(bs, 2)

@@ -240,6 +240,13 @@ def _member_metrics(view: ClusterView) -> Iterator[Metric]:
             "1 while the member's ring is quorate",
             1 if quorum["quorate"] else 0,
         )
+    if isinstance(lb := st.get("local"), dict):
+        for key, doc in (
+            ("connections", "Clients of this member's member-local listeners"),
+            ("queues", "Queues of this member's member-local broker (not replicated)"),
+            ("messages", "Messages in them, ready and unacknowledged"),
+        ):
+            yield _gauge(f"cpgbroker_local_{key}", doc, _number(lb.get(key)) or 0)
     if (refused := _number(st.get("refused_connections"))) is not None:
         yield _gauge(
             "cpgbroker_refused_connections",
