@@ -16,6 +16,7 @@ from brokerclients import (
     GUEST_AUTH,
     OPEN,
     ConfirmingPublisher,
+    connect,
     drain_queue,
     load_until,
     management,
@@ -121,7 +122,15 @@ def test_member_local_traffic_stays_off_the_cluster_and_dies_with_its_member(
     with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
         other.channel().queue_declare("rpc.requests", passive=True)
     assert e.value.reply_code == 404
+    # Asked for by name: x-replicate false is taken on a local listener, and refused on a
+    # replicated port with a pointer to where it is served.
+    other.channel().queue_declare("own.q", arguments={"x-replicate": False}, auto_delete=True)
     other.close()
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+        connect(bs, 2).channel().queue_declare("own.q", arguments={"x-replicate": False})
+    assert e.value.reply_code == 406 and "member-local listener" in e.value.reply_text
+    for n in (1, 2, 3):
+        assert "/:own.q" not in queues(bs, n)
 
     # Users are the cluster's: one added through the management API of member 3 logs in at
     # member 1's local port; a wrong password is refused there.

@@ -38,6 +38,7 @@ IN_THE_FILE_AS = {
     (BrokerConfig, "version"): None,
     (BrokerConfig, "cluster_name"): None,
     (BrokerConfig, "member_urls"): None,
+    (BrokerConfig, "replicated"): None,  # whether [cluster] is there
     (User, "permissions"): "[[users.permissions]]",
 }
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import attrs
 import pytest
 import trio
+from pamqp import commands as C
 
 import tlscerts
 from cpgbroker.errors import ConfigError
@@ -19,6 +20,7 @@ from cpgbroker.model.config import BrokerConfig, Permission, Policy, User
 from cpgbroker.runtime.amqpclient import AmqpClient, ConnectionClosed
 from cpgbroker.runtime.localbroker import LocalBroker
 from cpgbroker.runtime.settings import ClusterConfig, ServerConfig, load
+from modelclient import Harness
 
 
 def _user(name: str, pw: str, vhost: str = "/") -> User:
@@ -137,3 +139,47 @@ async def test_a_local_amqps_listener_serves_with_the_tls_section(tmp_path: Path
     no_tls.write_text('[cluster]\ngroup = "g"\nlocal_listen_tls = ["127.0.0.1:0"]\n')
     with pytest.raises(ConfigError, match=r"local_listen_tls needs a \[tls\] section"):
         load(str(no_tls))
+
+
+def _declare(replicated: bool, args: dict[str, object]) -> object:
+    h = Harness(Broker(BrokerConfig(replicated=replicated)))
+    c = h.connect(1)
+    c.handshake()
+    c.channel(1)
+    return c.rpc(1, C.Queue.Declare(queue="q", arguments=args))
+
+
+def test_x_replicate_must_say_what_the_listener_does() -> None:
+    """The cluster replicates connections, not queues: a queue asked not to be replicated is
+    refused on a cluster's replica, with a pointer to the member-local listener, and one asked
+    to be replicated is refused where nothing is."""
+    assert isinstance(_declare(True, {"x-replicate": True}), C.Queue.DeclareOk)
+    assert isinstance(_declare(False, {"x-replicate": False}), C.Queue.DeclareOk)
+    close = _declare(True, {"x-replicate": False})
+    assert isinstance(close, C.Channel.Close) and close.reply_code == 406
+    assert close.reply_text == (
+        "PRECONDITION_FAILED - invalid arg 'x-replicate' for queue 'q' in vhost '/': "
+        "a queue declared here is replicated: declare queues that must not be replicated on a "
+        "member-local listener ([cluster] local_listen)"
+    )
+    close = _declare(False, {"x-replicate": True})
+    assert isinstance(close, C.Channel.Close) and close.reply_code == 406
+    assert "declare replicated queues on a cluster member's AMQP port" in close.reply_text
+    close = _declare(True, {"x-replicate": "no"})
+    assert isinstance(close, C.Channel.Close)
+    assert close.reply_text.endswith(
+        "invalid arg 'x-replicate' for queue 'q' in vhost '/': {unacceptable_type,str}"
+    )
+
+
+def test_a_cluster_members_configuration_is_a_replica_and_its_local_broker_is_not(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "member.toml"
+    path.write_text('[cluster]\ngroup = "g"\nlocal_listen = ["127.0.0.1:0"]\n')
+    cfg = load(str(path))
+    assert cfg.broker.replicated
+    assert not LocalBroker(cfg, lambda: None).broker.config.replicated
+    standalone = tmp_path / "standalone.toml"
+    standalone.write_text("[server]\n")
+    assert not load(str(standalone)).broker.replicated

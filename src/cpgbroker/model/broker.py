@@ -122,6 +122,7 @@ class Broker:
             self.permissions,
             self.policies,
             peer_exchange=bool(cfg.server_id),
+            replicated=cfg.replicated,
         )
         self.confirms = Confirms(self.out)
         self.flow = QueueFlow(cfg.queue_flow_messages, self.out, self.mark)

@@ -118,3 +118,6 @@ class BrokerConfig:
     cluster_name: str = ""
     # Member URLs announced in server-properties (cluster mode); empty standalone.
     member_urls: tuple[str, ...] = ()
+    # Whether this model is a cluster's replica (a member's model; not standalone, not a
+    # member-local broker): a queue's x-replicate argument must say the same.
+    replicated: bool = False

@@ -36,12 +36,26 @@ QUEUE_ARGS = (
     "x-queue-type",
     "x-single-active-consumer",
     "x-delivery-limit",
+    "x-replicate",
+)
+
+# x-replicate refused where it cannot hold (cpgbroker's own argument; docs/operations.md,
+# "Member-local connections"). The cluster replicates connections, not queues, so whether a
+# queue is replicated is decided by the listener its client connected to.
+NOT_REPLICABLE = (
+    "a queue declared here is replicated: declare queues that must not be replicated on a "
+    "member-local listener ([cluster] local_listen)"
+)
+NOT_LOCAL = (
+    "this broker is not a cluster's replica (a member-local listener, or standalone): "
+    "declare replicated queues on a cluster member's AMQP port"
 )
 
 
-def apply_queue_args(q: Queue, args: dict[str, Any]) -> None:
+def apply_queue_args(q: Queue, args: dict[str, Any], replicated: bool = False) -> None:
     """Validate a new queue's declare arguments (RabbitMQ's checks and wording) and set the
-    limits and policies they ask for."""
+    limits and policies they ask for. ``replicated``: whether this broker is a cluster's
+    replica, which ``x-replicate`` (when given) must match."""
 
     def invalid(key: str, why: str) -> ChannelError:
         return ChannelError(
@@ -80,6 +94,12 @@ def apply_queue_args(q: Queue, args: dict[str, Any]) -> None:
                 "x-dead-letter-routing-key", "Key x-dead-letter-exchange should be present"
             )
     q.dlrk = dlrk
+    replicate = args.get("x-replicate")
+    if replicate is not None:
+        if not isinstance(replicate, bool):
+            raise invalid("x-replicate", f"{{unacceptable_type,{type(replicate).__name__}}}")
+        if replicate != replicated:
+            raise invalid("x-replicate", NOT_LOCAL if replicate else NOT_REPLICABLE)
     qtype = args.get("x-queue-type", "classic")
     if qtype not in ("classic", "quorum"):
         raise invalid("x-queue-type", f"unsupported queue type '{qtype}'")

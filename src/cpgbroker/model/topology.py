@@ -122,6 +122,7 @@ class Topology:
         "on_failover_bind",
         "peer_exchange",
         "policies",
+        "replicated",
         "ttl_queues",
         "vhosts",
     )
@@ -137,8 +138,11 @@ class Topology:
         permissions: Permissions,
         policies: Policies,
         peer_exchange: bool = False,
+        replicated: bool = False,
     ) -> None:
         self.vhosts: dict[str, VHost] = {}
+        # A cluster's replica (x-replicate must not say false) or not (it must not say true).
+        self.replicated = replicated
         # Whether vhosts have amq.peer (a federation server id is configured).
         self.peer_exchange = peer_exchange
         # Applied to each queue and exchange declared in a vhost that has any.
@@ -456,7 +460,7 @@ class Topology:
                     arguments=args,
                     last_used_ms=now,
                 )
-                apply_queue_args(q, args)
+                apply_queue_args(q, args, self.replicated)
                 if vh.name in self.policies.by_vhost:
                     self.policies.apply_to_queue(q)
                 vh.queues[name] = q

@@ -48,7 +48,9 @@ class LocalBroker:
             store=None,
             # Policies and federation links are the cluster's business: they act on replicated
             # queues and exchanges, which this broker does not hold.
-            broker=attrs.evolve(config.broker, policies=(), upstreams=(), server_id=""),
+            broker=attrs.evolve(
+                config.broker, policies=(), upstreams=(), server_id="", replicated=False
+            ),
         )
         self.node = Node(self.config)
         assert self.node.standalone is not None

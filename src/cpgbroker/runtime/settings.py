@@ -298,6 +298,7 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             policies=_policies(data.get("policies", []), vhosts),
             server_id=server_id,
             upstreams=upstreams,
+            replicated="cluster" in data,
             **_limit_values(limits),
         )
     except TypeError as e:
