@@ -620,8 +620,22 @@ async def test_a_no_ack_consumer_that_falls_behind_stops_the_reading_not_the_con
             held = slow._reads.bytes
             assert (1 << 20) <= held <= (1 << 20) + 2 * amqpclient.RECV_SIZE, held
             assert slow.is_open and slow._reads.paused
-            got = [(await consumer.receive()).body for _ in bodies]
-            assert got == bodies
-            assert slow._reads.bytes == 0 and not slow._reads.paused
-            # And the connection still works.
-            assert (await rx.queue_declare("slow.q", passive=True))[1] == 0
+            # What waits for the broker never waits behind the consumer: a method on another
+            # channel is answered (the reader reads on meanwhile, the consumer still holds
+            # what it got) ...
+            other = await slow.channel()
+            with trio.fail_after(5):
+                assert (await other.queue_declare("slow.q", passive=True))[0] == "slow.q"
+            got = [(await consumer.receive()).body for _ in range(10)]
+            # ... and so is a cancel: the deliveries sent before cancel-ok still come, in order.
+            with trio.fail_after(5):
+                await rx.cancel(consumer.consumer_tag)
+            got += [d.body async for d in consumer]
+            assert got == bodies[: len(got)] and len(got) > 10
+            # The rest is back in the queue (no-ack deliveries are not requeued: they were
+            # sent, and are in ``got``), and the connection reads on.
+            assert not slow._reads.paused and slow._reads.bytes == 0
+            left = (await other.queue_declare("slow.q", passive=True))[1]
+            assert left == len(bodies) - len(got)
+            with trio.fail_after(5):
+                await slow.close()

@@ -133,8 +133,9 @@ class Consumer:
     consumer never stops the reader (and with it the other channels). Without acks nothing
     does: once the no-ack consumers of a connection hold :data:`NO_ACK_HIGH_WATER` bytes
     between them, the connection stops reading until they have taken all but
-    :data:`NO_ACK_LOW_WATER` (its other channels wait meanwhile, and the broker's heartbeats
-    are not missed: they wait in the socket).
+    :data:`NO_ACK_LOW_WATER`, unless something on it waits for the broker (a synchronous
+    method, a publisher confirm, the close): that is never held up, so a consumer can always be
+    cancelled. While reading is paused, a broker that died is noticed once reading resumes.
     """
 
     def __init__(self, channel: Channel, consumer_tag: str, no_ack: bool = False) -> None:
@@ -198,12 +199,19 @@ class Consumer:
 
 class ReadGate:
     """Whether a connection's reader may read: the bytes its no-ack consumers hold, against
-    :data:`NO_ACK_HIGH_WATER` / :data:`NO_ACK_LOW_WATER`."""
+    :data:`NO_ACK_HIGH_WATER` / :data:`NO_ACK_LOW_WATER`, unless ``awaiting()`` says something
+    waits for the broker's answer (which must never wait behind a consumer)."""
 
-    def __init__(self) -> None:
+    def __init__(self, awaiting: Callable[[], bool]) -> None:
         self.bytes = 0
         self.paused = False
+        self._awaiting = awaiting
         self._resume = trio.Event()
+
+    def wake(self) -> None:
+        """Something now waits for the broker: read again at once."""
+        if self.paused:
+            self._resume.set()
 
     def held(self, n: int) -> None:
         self.bytes += n
@@ -216,12 +224,14 @@ class ReadGate:
 
     async def wait(self) -> bool:
         """Until the reader may read; whether it had to wait."""
-        if self.bytes <= NO_ACK_HIGH_WATER:
-            return False
-        self.paused = True
-        self._resume = trio.Event()
-        await self._resume.wait()
-        return True
+        waited = False
+        while self.bytes > NO_ACK_HIGH_WATER and not self._awaiting():
+            self.paused = True
+            self._resume = trio.Event()
+            await self._resume.wait()
+            waited = True
+        self.paused = False
+        return waited
 
 
 class _Rpc:
@@ -447,6 +457,7 @@ class Channel:
             return None
         confirmation = Confirmation(seq)
         self._confirms[seq] = confirmation
+        self._client._reads.wake()
         return confirmation
 
     async def wait_for_confirms(self) -> bool:
@@ -506,6 +517,7 @@ class Channel:
     ) -> _Rpc:
         rpc = _Rpc(reply, on_reply)
         self._rpcs.append(rpc)
+        self._client._reads.wake()
         return rpc
 
     async def _answer(self, rpc: _Rpc) -> Any:
@@ -616,7 +628,7 @@ class AmqpClient:
         self._room_lot = trio.lowlevel.ParkingLot()
         self._scope = trio.CancelScope()
         self._last_sent = self._last_received = trio.current_time()
-        self._reads = ReadGate()
+        self._reads = ReadGate(self._awaiting)
 
     @property
     def server_properties(self) -> dict[str, Any]:
@@ -768,6 +780,7 @@ class AmqpClient:
         if self._reason is None:
             self._record(ConnectionClosed(200, "closed by the client"))
             self._proto.close(200, "Normal shutdown")
+            self._reads.wake()
             self._wake_writer()
             with trio.move_on_after(timeout):
                 await self._close_ok.wait()
@@ -912,6 +925,13 @@ class AmqpClient:
     def _send(self, channel: int, method: base.Frame) -> None:
         self._proto.send_method(channel, method)
         self._wake_writer()
+
+    def _awaiting(self) -> bool:
+        """Whether anything waits for the broker: a synchronous method's answer, a publisher
+        confirm, or the connection's close."""
+        return self._reason is not None or any(
+            ch._rpcs or ch._confirms for ch in self._channels.values()
+        )
 
     def _wake_writer(self) -> None:
         if self._writer_lot:
