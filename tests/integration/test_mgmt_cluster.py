@@ -197,8 +197,8 @@ def test_a_management_write_through_a_member_is_refused_without_rights_and_logge
     )
     assert (status, body["reason"]) == (401, "Not administrator user")
     assert api(bs, 1, "/api/users/evil")[0] == 404
-    log = bs.wait_log(2, "admin request refused")
-    assert "user='mon'" in log and "admin request refused" in log
+    log = bs.wait_log(2, "user='mon'")
+    assert "admin request refused" in log
     assert "mon-pw" not in log
 
 

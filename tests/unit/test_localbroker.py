@@ -61,13 +61,15 @@ def test_a_local_broker_takes_the_replicas_users_and_vhosts() -> None:
     replica.users.put(_user("b", "pb", "rpc"))
     local.mirror_access(replica)
     assert list(local.users.by_name) == list(replica.users.by_name)
-    assert "rpc" in local.vhosts and local.permissions is not replica.permissions
-    # A deleted user and a changed permission follow at the next mirror.
+    assert "rpc" in local.vhosts
+    # The local model's own compiled permissions say so (what its handlers ask).
+    assert local.permissions.allowed("b", "rpc", "configure", "q")
+    # A deleted user and a permission taken away follow at the next mirror.
     replica.users.delete("a")
     replica.users.clear_permission("b", "rpc")
     local.mirror_access(replica)
     assert "a" not in local.users.by_name
-    assert not local.users.by_name["b"].may_open("rpc")
+    assert not local.permissions.allowed("b", "rpc", "configure", "q")
 
 
 def _config(replica_users: tuple[User, ...]) -> ServerConfig:
@@ -98,12 +100,27 @@ async def test_a_local_broker_serves_clients_with_the_replicas_logins() -> None:
             assert await ch.wait_for_confirms()
             assert lb.status()["queues"] == 1 and lb.status()["messages"] == 1
             assert lb.status()["connections"] == 1
+        # A vhost deleted in the cluster is deleted here too, its clients told why.
+        replica.topology.add_vhost("tmp")
+        replica.users.set_permission("app", Permission("tmp"))
+        on_tmp = await AmqpClient.connect(f"amqp://app:app-pw@{host}:{port}/tmp", nursery=nursery)
+        await (await on_tmp.channel()).queue_declare("tmp.q")
+        del replica.topology.vhosts["tmp"]
+        with trio.fail_after(5):
+            closed = await on_tmp.wait_closed()
+        assert closed.reply_code == 320 and "vhost 'tmp' is deleted" in closed.reply_text
+        assert "tmp" not in lb.broker.vhosts and lb.status()["queues"] == 1
         # Deleted in the replica: refused here too.
         replica.users.delete("app")
         with pytest.raises(ConnectionClosed) as e:
             await AmqpClient.connect(url.format("app:app-pw"))
         assert e.value.reply_code == 403
+        # A stop tells the clients still there (320), and takes no more.
+        guest = await AmqpClient.connect(url.format("guest:guest"), nursery=nursery)
         await lb.shutdown(1.0)
+        with trio.fail_after(5):
+            closed = await guest.wait_closed()
+        assert closed.reply_code == 320 and "broker shutdown" in closed.reply_text
         with pytest.raises((ConnectionClosed, OSError)):
             await AmqpClient.connect(url.format("guest:guest"), timeout=1)
         nursery.cancel_scope.cancel()

@@ -256,10 +256,10 @@ class Broker:
         """Log clients in as ``other`` does: take its users, their permissions and its vhosts.
 
         For a member-local broker (runtime/localbroker.py), which is not replicated and so
-        sees none of the operators' changes: its member calls this before each new client.
-        Vhosts are only added: a vhost deleted in ``other`` is no longer open to anyone here
-        (its users' permissions on it went with it), and what clients have in it here stays
-        until they are gone.
+        sees none of the operators' changes: its member calls this between events, before each
+        new client and every second. Vhosts are only added here: one deleted in ``other`` is
+        no longer open to anyone (its users' permissions went with it), and the member deletes
+        it with an admin command, which closes its connections as the cluster does.
         """
         if self.users.by_name != other.users.by_name:
             self.users.restore(other.users.by_name.values())

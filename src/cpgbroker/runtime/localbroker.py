@@ -11,9 +11,13 @@ A :class:`LocalBroker` serves those listeners with a standalone broker in the me
 without ``[cluster]`` does). Its queues live on this member only, are never stored, and die with
 it: its clients' connections drop with the process and they reconnect and declare again, as
 RPC clients do with their reply queues. Users, permissions and vhosts are the cluster's: the
-replica's are taken before each new client (``Broker.mirror_access``), so a user the
-management API adds or deletes logs in here, or not, like anywhere else. Policies and
-federation apply to replicated queues only.
+replica's are taken before each new client and every :data:`FOLLOW_EVERY` seconds
+(``Broker.mirror_access``, between events on this thread), so a user the management API adds,
+changes or deletes logs in here, or not, like anywhere else, and a permission taken away stops
+working on open connections too; a vhost deleted in the cluster is deleted here through the
+local model's own admin command, which closes its connections as the cluster does. Before the
+member first serves, the users are those of its store (if it recovered one), else of its
+configuration. Policies and federation apply to replicated queues only.
 """
 
 from __future__ import annotations
@@ -27,11 +31,15 @@ import trio
 
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.events import Tick
+from cpgbroker.model.permissions import TRUSTED
 from cpgbroker.runtime.server import ClientStream, Node, open_listeners
 from cpgbroker.runtime.settings import ServerConfig
 from cpgbroker.runtime.tls import TlsListener
 
 log = logging.getLogger("cpgbroker.local")
+
+# Seconds between two looks at the replica's users and vhosts (also taken at every login).
+FOLLOW_EVERY = 1.0
 
 
 class LocalBroker:
@@ -59,6 +67,8 @@ class LocalBroker:
         self.bound: list[tuple[str, int]] = []
         self.bound_tls: list[tuple[str, int]] = []
         self._accepting = trio.CancelScope()
+        # Set once every client was told to go (or the grace ran out): shutdown is idempotent.
+        self._shut: trio.Event | None = None
 
     async def serve(
         self, task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED
@@ -69,7 +79,7 @@ class LocalBroker:
             _address(lst.transport_listener) for lst in listeners if isinstance(lst, TlsListener)
         ]
         log.info(
-            "member-local listeners (not replicated): %s",
+            "listening member-local (not replicated): %s",
             ", ".join(
                 [
                     *(f"{h}:{p}" for h, p in self.bound),
@@ -81,6 +91,7 @@ class LocalBroker:
         await node.submit(Tick(node.now_ms()))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(node.ticker)
+            nursery.start_soon(self._follow)
             task_status.started(self.bound)
             with self._accepting:
                 await trio.serve_listeners(self.handle, listeners, handler_nursery=nursery)
@@ -90,19 +101,40 @@ class LocalBroker:
             await trio.sleep_forever()
 
     async def handle(self, stream: ClientStream) -> None:
-        replica = self._replica()
-        if replica is not None:
-            # Between incarnations (no replica) the users last taken stay in force.
-            self.broker.mirror_access(replica)
+        await self.follow()
         await self.node.handle(stream)
+
+    async def follow(self) -> None:
+        """Take the replica's users and vhosts (none to take: what was taken last stays)."""
+        replica = self._replica()
+        if replica is None:
+            return
+        self.broker.mirror_access(replica)
+        for name in [v for v in self.broker.vhosts if v not in replica.vhosts]:
+            assert self.node.desk is not None
+            status, _ = await self.node.desk.request(TRUSTED, "delete_vhost", {"name": name}, 10)
+            log.info(
+                "vhost deleted in the cluster: deleted here too vhost=%r status=%s", name, status
+            )
+
+    async def _follow(self) -> None:
+        while True:
+            await trio.sleep(FOLLOW_EVERY)
+            await self.follow()
 
     async def shutdown(self, grace: float) -> None:
         """Stop accepting, tell every client (320 CONNECTION_FORCED), give them ``grace``
-        seconds to take it."""
+        seconds to take it. A second call waits for the first."""
+        if self._shut is not None:
+            with trio.move_on_after(grace):
+                await self._shut.wait()
+            return
+        self._shut = trio.Event()
         self._accepting.cancel()
         if self.node.local:
             log.info("closing member-local connections=%d", len(self.node.local))
         await self.node.shutdown_clients(grace)
+        self._shut.set()
 
     def status(self) -> dict[str, Any]:
         queues = [q for vh in self.broker.vhosts.values() for q in vh.queues.values()]

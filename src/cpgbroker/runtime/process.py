@@ -127,7 +127,7 @@ class MemberProcess:
         # Member-local clients (``[cluster] local_listen``): outlive incarnations, like the
         # listeners, since nothing of theirs is the cluster's.
         self.local: LocalBroker | None = (
-            LocalBroker(config, self.replica)
+            LocalBroker(config, self._access)
             if self.cluster.local_listen or self.cluster.local_listen_tls
             else None
         )
@@ -170,6 +170,11 @@ class MemberProcess:
         if self.last_suspension is not None:
             out["last_suspension"] = self.last_suspension
         return out
+
+    def _access(self) -> Broker | None:
+        """Where the member-local broker takes users and vhosts from: the replica, else (before
+        the member first serves, or while it waits to rejoin) the state it kept or recovered."""
+        return self.replica() or (None if self.kept is None else self.kept[0])
 
     def replica(self) -> Broker | None:
         """The model the management API and /metrics read: the current incarnation's while it
@@ -323,8 +328,14 @@ class MemberProcess:
                 log.info("stopping member signal=%s", signum)
                 self.notifier.stopping()
                 self.stop.set()
+                local = self.local
                 if self.node is None or not self.node.serving:
-                    outer.cancel_scope.cancel()  # nothing to shut down gracefully
+                    if local is not None:
+                        await local.shutdown(config.shutdown_grace)
+                    outer.cancel_scope.cancel()  # nothing else to shut down gracefully
+                elif local is not None:
+                    # Beside the replicated clients' grace, not after it.
+                    outer.start_soon(local.shutdown, config.shutdown_grace)
 
             outer.start_soon(on_signal)
             await self._check_quorum_policy()
@@ -339,6 +350,9 @@ class MemberProcess:
                     # among the members that start together is resumed, the others update.
                     self.kept = (rec.broker, rec.epoch)
                     self.restarted = True
+            if self.local is not None:
+                # Before joining: member-local clients need nothing of the cluster.
+                await outer.start(self.local.serve)
             first = True
             while True:
                 if not self.quorum.quorate:
@@ -523,8 +537,6 @@ class MemberProcess:
                             opened, self.bound = await open_listeners(config)
                             listeners.extend(opened)
                             outer.start_soon(self._accept, listeners, outer)
-                            if self.local is not None:
-                                await outer.start(self.local.serve)
                         served = True
                         self.kept = None  # serving again: the kept state was resumed or replaced
                         self.restarted = False
