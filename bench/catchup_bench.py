@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from update_bench import installed_transfer
 
 from cpgbroker.dev.brokers import BrokerSet
 from cpgbroker.dev.cluster import DevCluster
@@ -39,9 +39,6 @@ from cpgbroker.runtime.amqpclient import AmqpClient
 
 ROOT = Path(__file__).resolve().parents[1]
 LOAD = ROOT.parent / "shared" / "bench" / "amqp_load.py"
-INSTALLED = re.compile(
-    r"state update installed seq=\d+ messages=(\d+) parts=(\d+) ([\d.]+) MiB in ([\d.]+) s"
-)
 
 
 class Run:
@@ -123,19 +120,8 @@ async def measure(bs: BrokerSet, args: argparse.Namespace, out: dict[str, Any]) 
         await trio.sleep(args.after)
         run.stop.set()
         t_end = trio.current_time()
-    log = bs.log_path(3).read_text(errors="replace")
-    inst = INSTALLED.findall(log)
     out["join_to_ready_s"] = round(t_ready - t_join, 2)
-    out["transfer"] = (
-        None
-        if not inst
-        else {
-            "messages": int(inst[-1][0]),
-            "parts": int(inst[-1][1]),
-            "mib": float(inst[-1][2]),
-            "seconds": float(inst[-1][3]),
-        }
-    )
+    out["transfer"] = installed_transfer(bs.log_path(3).read_text(errors="replace"))
     out["primary_consume_msg_s"] = {
         "before": rate(run.consumed, t0 + 1, t_join),
         "during_update": rate(run.consumed, t_join, t_ready),

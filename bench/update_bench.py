@@ -27,6 +27,23 @@ LOAD = ROOT.parent / "shared" / "bench" / "amqp_load.py"
 CPGB = [sys.executable, "-m", "cpgbroker"]
 
 
+def installed_transfer(log: str) -> dict[str, Any] | None:
+    """What the last state update a member's log reports installing transferred."""
+    inst = re.findall(
+        r"state update installed seq=\d+ messages=(\d+) parts=(\d+) ([\d.]+) MiB in ([\d.]+) s",
+        log,
+    )
+    if not inst:
+        return None
+    messages, parts, mib, seconds = inst[-1]
+    return {
+        "messages": int(messages),
+        "parts": int(parts),
+        "mib": float(mib),
+        "seconds": float(seconds),
+    }
+
+
 def sh(*args: str) -> str:
     return subprocess.run(args, check=True, capture_output=True, text=True).stdout
 
@@ -148,20 +165,9 @@ def main() -> int:
         t_ready = time.time()
         report = json.loads(load.communicate()[0])
         log = bs.log_path(3).read_text(errors="replace")
-        inst = re.findall(
-            r"state update installed seq=\d+ messages=(\d+) parts=(\d+) ([\d.]+) MiB in ([\d.]+) s",
-            log,
-        )
         out["update"] = {
             "join_to_ready_seconds": round(t_ready - t_join, 2),
-            "transfer": None
-            if not inst
-            else {
-                "messages": int(inst[-1][0]),
-                "parts": int(inst[-1][1]),
-                "mib": float(inst[-1][2]),
-                "seconds": float(inst[-1][3]),
-            },
+            "transfer": installed_transfer(log),
             "newcomer_peak_rss_mib": round(peak / 1024, 1),
             "progress_log_lines": len(re.findall("receiving state update", log)),
         }
