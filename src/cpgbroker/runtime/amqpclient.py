@@ -138,14 +138,14 @@ class Consumer:
     cancelled. While reading is paused, a broker that died is noticed once reading resumes.
     """
 
-    def __init__(self, channel: Channel, consumer_tag: str, no_ack: bool = False) -> None:
+    def __init__(self, channel: Channel, consumer_tag: str, reads: ReadGate | None = None) -> None:
         self.channel = channel
         self.consumer_tag = consumer_tag
         self._send, self._recv = trio.open_memory_channel[Delivery | AmqpClientError](math.inf)
         self._error: AmqpClientError | None = None
         self._ended = False
-        # No-ack: the bytes this consumer holds count towards its connection's mark.
-        self._reads = channel._client._reads if no_ack else None
+        # A no-ack consumer's connection's gate: the bytes it holds count towards the mark.
+        self._reads = reads
         self._held = 0
 
     async def receive(self) -> Delivery:
@@ -393,7 +393,7 @@ class Channel:
         exclusive: bool = False,
         arguments: dict[str, Any] | None = None,
     ) -> Consumer:
-        consumer = Consumer(self, consumer_tag, no_ack)
+        consumer = Consumer(self, consumer_tag, self._client._reads if no_ack else None)
 
         def registered(ok: commands.Basic.ConsumeOk) -> None:
             # Runs in the reader, before any delivery read after consume-ok is routed.

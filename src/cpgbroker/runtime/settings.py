@@ -237,23 +237,15 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
     server = dict(data.get("server", {}))
     limits = dict(data.get("limits", {}))
     log = dict(data.get("log", {}))
-    listeners = server.pop("listen", ["127.0.0.1:5672"])
-    if isinstance(listeners, str):
-        listeners = [listeners]
-    if listen is not None:
-        listeners = [listen]
-    listeners_tls = server.pop("listen_tls", [])
-    if isinstance(listeners_tls, str):
-        listeners_tls = [listeners_tls]
-    for addr in listeners_tls:
-        parse_listen(addr)
+    configured = server.pop("listen", ["127.0.0.1:5672"])
+    # ``cpgbroker start --listen`` takes the place of the file's.
+    listeners = _addresses([listen] if listen is not None else configured, "server.listen")
+    listeners_tls = _addresses(server.pop("listen_tls", []), "server.listen_tls")
     tls = parse_tls(data.get("tls"))
     if listeners_tls and tls is None:
         raise ConfigError("[server] listen_tls needs a [tls] section (certfile, keyfile, ...)")
     if "cluster" in data and "url" not in data["cluster"] and listeners:
         data["cluster"] = {**data["cluster"], "url": f"amqp://{listeners[0]}/"}
-    for addr in listeners:
-        parse_listen(addr)
     vhosts = tuple(data.get("vhosts", ["/"]))
     users_raw = data.get("users")
     if users_raw is None:
@@ -403,8 +395,8 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
     if extra:
         raise ConfigError(f"unknown [server] key(s): {', '.join(extra)}")
     return ServerConfig(
-        listen=tuple(listeners),
-        listen_tls=tuple(listeners_tls),
+        listen=listeners,
+        listen_tls=listeners_tls,
         tls=tls,
         log_level=str(log.get("level", "info")),
         log_format=str(log.get("format", "logfmt")),
