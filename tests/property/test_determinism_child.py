@@ -8,6 +8,8 @@ from typing import Any
 from cpgbroker.model import events as EV
 from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker
+from cpgbroker.model.changes import ChangeLog
+from cpgbroker.model.replica import Replica, Shipper
 
 __test__ = False
 
@@ -23,5 +25,20 @@ def run(path: str) -> list[list[str]]:
             ev: Any = getattr(EV, raw[0])(*raw[1:])
             for eff in b.apply(ev):
                 h.update(repr(eff).encode())
-        out.append([S.digest(b), h.hexdigest()])
+        out.append([S.digest(b), h.hexdigest(), *shipped(raw_log)])
     return out
+
+
+def shipped(raw_log: list[Any]) -> list[str]:
+    """A hot-standby primary's change batches for the log, and its backup's replica."""
+    b = Broker()
+    b.record_changes(ChangeLog())
+    shipper, replica = Shipper(), Replica()
+    h = hashlib.sha256()
+    for i, raw in enumerate(raw_log):
+        b.apply(getattr(EV, raw[0])(*raw[1:]))
+        if i % 3 == 0:
+            batch = shipper.batch(b)
+            h.update(batch)
+            replica.apply(batch)
+    return [h.hexdigest(), replica.digest()]

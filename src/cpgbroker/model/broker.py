@@ -57,6 +57,7 @@ from __future__ import annotations
 from cpgbroker.errors import ConnectionError_, InvariantError, ReplyCode
 from cpgbroker.model import entities as E
 from cpgbroker.model.admin import Admin
+from cpgbroker.model.changes import ChangeLog
 from cpgbroker.model.channel import Channels
 from cpgbroker.model.config import BrokerConfig
 from cpgbroker.model.confirms import Confirms
@@ -92,6 +93,9 @@ from cpgbroker.model.transactions import Transactions
 from cpgbroker.model.users import Users
 
 __all__ = ["Broker", "VHost"]
+
+# Events that never change definitions by themselves (model/changes.py).
+_TRAFFIC = (ClientData, DoOutput, Tick)
 
 
 class Broker:
@@ -179,6 +183,8 @@ class Broker:
             self.out,
             self.federation,
         )
+        # A hot-standby primary's change log (model/changes.py): see record_changes.
+        self._changes: ChangeLog | None = None
         # Bound once: apply routes every event through these.
         self._on_data = self.conns.on_data
         self._on_do_output = self.delivery.on_do_output
@@ -226,6 +232,15 @@ class Broker:
             self.admin.forward(event)  # type: ignore[arg-type]
         else:
             raise InvariantError(f"unknown event {event!r}")
+        # Ticks only delete queues (which say so) and close connections; every other kind
+        # of event but client data and do-output may change definitions (model/changes.py).
+        if (
+            self._changes is not None
+            and t is not ClientData
+            and t is not DoOutput
+            and t is not Tick
+        ):
+            self._changes.structural = True
         return self._flush()
 
     def fail_event(self, event: Event, text: str) -> list[Effect]:
@@ -266,6 +281,17 @@ class Broker:
         for name in other.vhosts:
             if name not in self.vhosts:
                 self.topology.add_vhost(name)
+
+    def record_changes(self, log: ChangeLog | None) -> None:
+        """Tell ``log`` what this broker changes from now on (None: stop). A hot-standby
+        primary ships its records to the backups instead of its clients' bytes."""
+        self._changes = log
+        self.delivery.changes = log
+        self.mark.changes = log
+
+    @property
+    def changes(self) -> ChangeLog | None:
+        return self._changes
 
     def set_emit(self, conn_id: int, emit: bool) -> None:
         """Mark a connection as this replica's own (emit output) or a shadow (discard)."""

@@ -303,6 +303,10 @@ class Channels:
             handler(conn, channel, payload)
             return
         m = decode_method(payload, index)
+        if index in _STRUCTURAL:
+            changes = self._delivery.changes
+            if changes is not None:
+                changes.structural = True
         try:
             handler(conn, channel, m)
         except AMQPError as e:
@@ -380,3 +384,20 @@ _FAST = frozenset(
     }
 )
 _NOT_IMPLEMENTED: frozenset[int] = frozenset()
+
+# Methods that may change the definitions a hot-standby primary ships (model/changes.py);
+# deleting a queue, whatever the cause, says so itself (``ChangeLog.deleted``).
+_STRUCTURAL = frozenset(
+    {
+        commands.Exchange.Declare.index,
+        commands.Exchange.Delete.index,
+        commands.Exchange.Bind.index,
+        commands.Exchange.Unbind.index,
+        commands.Queue.Declare.index,
+        commands.Queue.Bind.index,
+        commands.Queue.Unbind.index,
+        commands.Queue.Delete.index,
+        # A queue's first consumer marks it (``had_consumers``: auto-delete from then on).
+        commands.Basic.Consume.index,
+    }
+)

@@ -306,6 +306,9 @@ class Consumers:
         else:
             ch.unacked[tag] = (q, e, None)
             q.unacked += 1
+            changes = self._delivery.changes
+            if changes is not None:
+                changes.delivered(q, e)
         conn.last_tx_ms = now
         if conn.emit:
             msg = e.msg
@@ -349,6 +352,8 @@ class Consumers:
                     continue
                 e.redelivered = True
                 put_back(msgs, e)
+                if delivery.changes is not None:
+                    delivery.changes.requeued(q, e)
                 delivery.track_ttl(q, e)
             delivery.dead_letter_over_limit(over)
         elif ackmode == "reject_requeue_false":
@@ -467,6 +472,8 @@ class Consumers:
                     continue
                 e.redelivered = True
                 put_back(q.messages, e)
+                if delivery.changes is not None:
+                    delivery.changes.requeued(q, e)
                 delivery.track_ttl(q, e)
             delivery.dead_letter_over_limit(over)
             touched.reverse()
@@ -519,6 +526,8 @@ class Consumers:
                 continue
             e.redelivered = True
             put_back(q.messages, e)
+            if delivery.changes is not None:
+                delivery.changes.requeued(q, e)
         delivery.dead_letter_over_limit(over)
         for q in reversed(touched):
             if q.messages:

@@ -37,6 +37,7 @@ from pamqp import commands
 
 from cpgbroker.errors import ChannelError, ConnectionError_, ReplyCode
 from cpgbroker.model import entities as E
+from cpgbroker.model.changes import ChangeLog
 from cpgbroker.model.config import BrokerConfig
 from cpgbroker.model.confirms import Confirms
 from cpgbroker.model.deadletter import dead_letter_header, is_cycle
@@ -108,6 +109,7 @@ class Delivery:
         "_release",
         "_ttl_queues",
         "_vhosts",
+        "changes",
         "msg_seq",
         "push_to",
     )
@@ -148,6 +150,8 @@ class Delivery:
         self.push_to: Callable[[VHost, Exchange], list[Queue]] | None = None
         # The write check's results (permissions.py): a hit is the whole per-message cost.
         self._published = permissions.published
+        # A hot-standby primary's change log (model/changes.py; set by the broker).
+        self.changes: ChangeLog | None = None
 
     # ------------------------------------------------------------------ publishing
 
@@ -506,6 +510,8 @@ class Delivery:
         q.ready_bytes += size
         q.published_total += 1
         self._mark.queued_bytes += size
+        if self.changes is not None:
+            self.changes.enqueued(q, e)
         return True
 
     def track_ttl(self, q: Queue, e: Entry) -> None:
@@ -725,6 +731,8 @@ class Delivery:
             ch.unacked[tag] = (q, e, c)
             c.unacked += 1
             q.unacked += 1
+            if self.changes is not None:
+                self.changes.delivered(q, e)
         conn.last_tx_ms = self._clock.now_ms
         if conn.emit:
             msg = e.msg

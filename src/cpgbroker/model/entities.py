@@ -156,6 +156,12 @@ class PriorityMessages:
         _insert_by_age(self._band(e), e)
         self.count += 1
 
+    def remove(self, e: Entry) -> None:
+        """Take ``e`` out from wherever it is (a hot-standby backup's replica, told that the
+        primary settled it: model/replica.py)."""
+        self._band(e).remove(e)
+        self.count -= 1
+
     def extend(self, entries: Iterable[Entry]) -> None:
         for e in entries:
             self.append(e)

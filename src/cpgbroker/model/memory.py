@@ -24,6 +24,7 @@ from __future__ import annotations
 from pamqp import commands
 
 from cpgbroker.model import entities as E
+from cpgbroker.model.changes import ChangeLog
 from cpgbroker.model.config import BrokerConfig
 from cpgbroker.model.entities import Connection, Entry, Queue
 from cpgbroker.model.events import Throttle
@@ -35,6 +36,7 @@ class MemoryMark:
         "_connections",
         "_out",
         "blocked",
+        "changes",
         "disk_alarms",
         "high",
         "low",
@@ -56,12 +58,16 @@ class MemoryMark:
         self.low = config.high_watermark_bytes * config.low_watermark_ratio
         self._connections = connections
         self._out = out
+        # A hot-standby primary's change log (model/changes.py), told of every release.
+        self.changes: ChangeLog | None = None
 
     def release(self, q: Queue, e: Entry) -> None:
         """``e`` left ``q`` for good (acked, dropped, purged, dead-lettered elsewhere)."""
         size = len(e.msg.body)
         q.ready_bytes -= size
         self.queued_bytes -= size
+        if self.changes is not None:
+            self.changes.released(q, e)
         if self.memory_blocked and self.queued_bytes < self.low:
             self.set_blocked(False)
 

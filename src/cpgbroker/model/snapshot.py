@@ -35,6 +35,7 @@ from typing import Any
 from cpgbroker.errors import InvariantError
 from cpgbroker.model import entities as E
 from cpgbroker.model.broker import Broker
+from cpgbroker.model.changes import ships_queue
 from cpgbroker.model.config import BrokerConfig, Permission, Policy, User
 from cpgbroker.model.entities import (
     Channel,
@@ -93,7 +94,9 @@ NOT_REPLICATED = {
     "Consumer": {"qseq"},
     # Cached permission results: a function of the configuration and the name.
     "Permissions": {"_known", "published"},
-    "Delivery": {"_published"},
+    "Delivery": {"_published", "changes"},
+    # A hot-standby primary's change log (model/changes.py): where records go, not state.
+    "MemoryMark": {"changes"},
     # The replica's own member id (which answers are another member's).
     "Admin": {"local_member"},
     "ResourceOps": {"answering"},
@@ -298,6 +301,72 @@ def parts(b: Broker, chunk: int = CHUNK) -> Iterator[Any]:
             ],
         },
     ]
+
+
+# What ``definitions`` leaves out of the head and of each queue: counters and values that
+# change with traffic, not with definitions (a promoted backup computes its own).
+_VOLATILE_HEAD = (
+    "now_ms",
+    "event_seq",
+    "msg_seq",
+    "queued_bytes",
+    "blocked",
+    "messages",
+    "connections",
+    "disk_alarms",
+    "memory_blocked",
+)
+_VOLATILE_QUEUE = {"rr": 0, "unacked": 0, "ready_bytes": 0, "last_used_ms": 0}
+
+
+def definitions(b: Broker) -> list[Any]:
+    """The definitions a hot-standby primary ships (model/replica.py): the snapshot's head,
+    queue and vhost parts without connections, messages or traffic counters, so that two
+    calls give equal parts exactly when the definitions are equal. Queues are those of the
+    vhosts a backup keeps (``changes.ships_queue``: not exclusive or reply-to queues, which
+    die with the primary, nor their bindings), numbered in vhost and declaration order."""
+    queues: list[Queue] = [
+        q for vh in b.vhosts.values() for q in vh.queues.values() if ships_queue(q)
+    ]
+    qindex = {id(q): i for i, q in enumerate(queues)}
+    head = _head(b, queues)
+    for key in _VOLATILE_HEAD:
+        head.pop(key, None)
+    out: list[Any] = [head]
+    for i, q in enumerate(queues):
+        out.append(["queue", i, queue_meta(q)])
+    for vh in b.vhosts.values():
+        out.append(
+            [
+                "vhost",
+                {
+                    "name": vh.name,
+                    "exchanges": [_shipped_bindings(ex, qindex) for ex in vh.exchanges.values()],
+                    "queues": [qindex[id(q)] for q in vh.queues.values() if id(q) in qindex],
+                },
+            ]
+        )
+    return out
+
+
+def _shipped_bindings(ex: Exchange, qindex: dict[int, int]) -> dict[str, Any]:
+    d = _exchange(ex, lambda q: qindex.get(id(q), -1))
+    d["bindings"] = [bd for bd in d["bindings"] if bd[1] != -1]
+    return d
+
+
+def queue_meta(q: Queue) -> dict[str, Any]:
+    """A queue's snapshot metadata without what changes with traffic (``definitions``)."""
+    meta = _queue(q)
+    meta.update(_VOLATILE_QUEUE)
+    meta.pop("flow_paused", None)
+    return meta
+
+
+def restore_message(row: list[Any]) -> Message:
+    """A message from its snapshot row (``[id, exchange, routing key, header, body,
+    delivery mode, expiration]``)."""
+    return _restore_message(row)
 
 
 def _head(b: Broker, queues: list[Queue]) -> dict[str, Any]:
@@ -686,35 +755,7 @@ class Restorer:
     def _queue(self, i: int, qd: dict[str, Any]) -> None:
         if i != len(self.queues):
             raise InvariantError(f"snapshot queue {i} out of order")
-        self.queues.append(
-            Queue(
-                name=qd["name"],
-                vhost=qd["vhost"],
-                durable=qd["durable"],
-                exclusive_owner=qd["exclusive_owner"],
-                auto_delete=qd["auto_delete"],
-                arguments=qd["arguments"],
-                ttl=qd["ttl"],
-                expires=qd["expires"],
-                max_length=qd["max_length"],
-                max_length_bytes=qd["max_length_bytes"],
-                overflow=qd["overflow"],
-                dlx=qd["dlx"],
-                dlrk=qd["dlrk"],
-                single_active=qd["single_active"],
-                quorum=qd["quorum"],
-                delivery_limit=qd["delivery_limit"],
-                rr=qd["rr"],
-                unacked=qd["unacked"],
-                ready_bytes=qd["ready_bytes"],
-                had_consumers=qd["had_consumers"],
-                last_used_ms=qd["last_used_ms"],
-                deleted=qd["deleted"],
-                bindings=IdList(QueueBinding(x[0], x[1], x[2]) for x in qd["bindings"]),
-                # Per priority for x-max-priority: entries then go back to their bands.
-                messages=ready_messages(qd["arguments"]),
-            )
-        )
+        self.queues.append(queue_from_meta(qd))
         if "flow_paused" in qd:
             self.flow_paused[i] = qd["flow_paused"]
 
@@ -830,6 +871,37 @@ class Restorer:
                 pend.parts = list(parts) or None
             conn.channels[ch.id] = ch
         self.b.conns.restore(conn)
+
+
+def queue_from_meta(qd: dict[str, Any]) -> Queue:
+    """A queue, without messages or consumers, from its snapshot part's metadata."""
+    return Queue(
+        name=qd["name"],
+        vhost=qd["vhost"],
+        durable=qd["durable"],
+        exclusive_owner=qd["exclusive_owner"],
+        auto_delete=qd["auto_delete"],
+        arguments=qd["arguments"],
+        ttl=qd["ttl"],
+        expires=qd["expires"],
+        max_length=qd["max_length"],
+        max_length_bytes=qd["max_length_bytes"],
+        overflow=qd["overflow"],
+        dlx=qd["dlx"],
+        dlrk=qd["dlrk"],
+        single_active=qd["single_active"],
+        quorum=qd["quorum"],
+        delivery_limit=qd["delivery_limit"],
+        rr=qd["rr"],
+        unacked=qd["unacked"],
+        ready_bytes=qd["ready_bytes"],
+        had_consumers=qd["had_consumers"],
+        last_used_ms=qd["last_used_ms"],
+        deleted=qd["deleted"],
+        bindings=IdList(QueueBinding(x[0], x[1], x[2]) for x in qd["bindings"]),
+        # Per priority for x-max-priority: entries then go back to their bands.
+        messages=ready_messages(qd["arguments"]),
+    )
 
 
 def _restore_message(m: list[Any]) -> Message:

@@ -464,6 +464,8 @@ class Topology:
                 if vh.name in self.policies.by_vhost:
                     self.policies.apply_to_queue(q)
                 vh.queues[name] = q
+                if self._mark.changes is not None:
+                    self._mark.changes.created(q)
                 if m.exclusive:
                     conn.exclusive_queues[name] = None
                 if q.expires is not None:
@@ -597,6 +599,8 @@ class Topology:
         channels and are dropped when settled)."""
         vh = self.vhosts[q.vhost]
         q.deleted = True
+        if self._mark.changes is not None:
+            self._mark.changes.deleted(q)
         vh.queues.pop(q.name, None)
         key = (q.vhost, q.name)
         self.ttl_queues.leave(q)
