@@ -14,6 +14,8 @@
                                   # corosync without crypto_cipher/crypto_hash
     python bench/broker_bench.py --cluster --hot-standby --rabbitmq
                                   # [cluster] mode = "hot-standby": every client on the primary
+    python bench/broker_bench.py --cluster --hot-standby --changes --rabbitmq
+                                  # ... shipping state changes to the backups
 
 Load comes from the shared ``amqp_load.py`` (its raw client costs ~20 us per message, so the
 broker is what is measured); RabbitMQ nodes from the shared ``rabbitmq_baseline.sh`` (private
@@ -235,6 +237,7 @@ def run_ours_cluster(
     tls: bool = False,
     plaintext_ring: bool = False,
     hot_standby: bool = False,
+    changes: bool = False,
 ) -> dict[str, Any]:
     from cpgbroker.dev.brokers import BrokerSet
     from cpgbroker.dev.cluster import DevCluster
@@ -260,7 +263,11 @@ def run_ours_cluster(
             store=store,
             tls=tls,
             extra_config=extra,
-            cluster_options='mode = "hot-standby"' if hot_standby else "",
+            cluster_options=(
+                'mode = "hot-standby"' + ('\nreplication = "changes"' if changes else "")
+                if hot_standby
+                else ""
+            ),
         )
         brokers.start_all()
         urls = [brokers.url(n) for n in (1, 2, 3)]
@@ -478,6 +485,12 @@ def main() -> int:
         help='with --cluster: [cluster] mode = "hot-standby", the load on the primary only',
     )
     ap.add_argument(
+        "--changes",
+        action="store_true",
+        help='with --hot-standby: [cluster] replication = "changes" (backups apply the '
+        "primary's state changes, not its clients' bytes)",
+    )
+    ap.add_argument(
         "--plaintext-ring",
         action="store_true",
         help="with --cluster: corosync without ring encryption (crypto_cipher/crypto_hash "
@@ -486,6 +499,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.tls and not args.cluster:
         ap.error("--tls needs --cluster")
+    if args.changes and not args.hot_standby:
+        ap.error("--changes needs --hot-standby")
     if args.plaintext_ring and (not args.cluster or args.store):
         ap.error("--plaintext-ring needs --cluster, and not --store")
     started = time.time()
@@ -504,6 +519,7 @@ def main() -> int:
             args.tls,
             args.plaintext_ring,
             args.hot_standby,
+            args.changes,
         )
     else:
         ours = run_ours_standalone(args.shared, args.seconds)
@@ -515,6 +531,7 @@ def main() -> int:
         "tls": args.tls,
         "ring_encryption": not args.plaintext_ring,
         "cluster_mode": "hot-standby" if args.hot_standby else "active-active",
+        "replication": "changes" if args.changes else "bytes",
         "cpgbroker": ours,
     }
     if args.rabbitmq:

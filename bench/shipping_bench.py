@@ -45,8 +45,14 @@ from pamqp import frame  # noqa: E402
 
 from cpgbroker.model.broker import Broker  # noqa: E402
 from cpgbroker.model.changes import ChangeLog  # noqa: E402
-from cpgbroker.model.events import ClientConnected, ClientData, DoOutput, Event  # noqa: E402
-from cpgbroker.model.replica import Replica, Shipper  # noqa: E402
+from cpgbroker.model.events import (  # noqa: E402
+    Changes,
+    ClientConnected,
+    ClientData,
+    DoOutput,
+    Event,
+)
+from cpgbroker.model.shipping import Shipper, messages  # noqa: E402
 from modelclient import Harness  # noqa: E402
 
 
@@ -134,14 +140,14 @@ def main() -> None:
     owner_s, _ = apply_all(log, emit=True)
     replay_s, _ = apply_all(log, emit=False)
     primary_s, batches = apply_all(log, emit=True, ship_every=args.batch)
-    replica = Replica()
+    replica = Broker()
 
     def apply_replica() -> None:
         for batch in batches:
-            replica.apply(batch)
+            replica.apply(Changes(batch))
 
     replica_s = timed(apply_replica)
-    assert replica.messages == 0, "every message was acked: the replica must be empty"
+    assert messages(replica) == 0, "every message was acked: the replica must be empty"
     result = {
         "messages": n,
         "size": args.size,

@@ -138,3 +138,55 @@ def test_clients_reach_the_primary_and_survive_its_kill_and_it_comes_back_a_back
     assert len(got) == len(set(got))
     with pytest.raises(pika.exceptions.AMQPConnectionError):
         connect(bs, primary)
+
+
+def test_shipping_changes_backups_take_over_with_every_confirmed_message(
+    broker_set: Callable[..., BrokerSet],
+) -> None:
+    """``replication = "changes"``: the primary alone applies its clients' bytes and ships what
+    its broker changed. Kill -9 the primary under a confirmed publisher and a consumer: the
+    next member serves on with every confirmed message, and the old primary, restarted, takes
+    a state update of the replica and is a backup."""
+    bs = broker_set(cluster_options=MODE + '\nreplication = "changes"')
+    primary = the_primary(bs, [1, 2, 3])
+    backups = [n for n in (1, 2, 3) if n != primary]
+    status = bs.status(primary)
+    assert status is not None and status["replication"] == "changes", status
+    conn = connect(bs, primary)
+    ch = conn.channel()
+    ch.queue_declare("ship.q")
+    ch.queue_declare("ship.rpc", exclusive=True)
+    conn.close()
+    pub = ConfirmingPublisher(bs, [*backups, primary], "ship.q")
+    pub.start()
+    deadline = time.monotonic() + 30
+    while len(pub.confirmed) < 500:
+        assert pub.error is None, pub.error
+        assert time.monotonic() < deadline, "the publisher never got going"
+        time.sleep(0.05)
+    # The backups hold the queue and its messages, not the primary's connections, nor the
+    # exclusive queue (it dies with its connection, which dies with the primary).
+    for n in backups:
+        s = bs.status(n)
+        assert s is not None and s["connections"] == {"local": 0, "shadow": 0}, s
+        assert s["queues"]["/:ship.q"]["ready"] > 0, s
+        assert "/:ship.rpc" not in s["queues"], s
+    bs.kill(primary)
+    killed_at, before = time.monotonic(), len(pub.confirmed)
+    while len(pub.confirmed) < before + 500:
+        assert pub.error is None, pub.error
+        assert time.monotonic() < killed_at + 60, "publishing did not resume after the kill"
+        time.sleep(0.05)
+    resumed = time.monotonic() - killed_at
+    confirmed = pub.stop()
+    new_primary = the_primary(bs, backups)
+    print(f"hot standby shipping changes: served again {resumed:.1f} s after the kill")
+    bs.start(primary)
+    bs.wait_ready([primary], timeout=90)
+    assert the_primary(bs, [1, 2, 3]) == new_primary
+    assert roles(bs, [primary])[primary] == "backup"
+    # Every member's stream broker is the same replica.
+    bs.converged([1, 2, 3])
+    got = drain_queue(bs, new_primary, "ship.q")
+    assert set(confirmed) <= set(got)
+    assert len(got) == len(set(got))

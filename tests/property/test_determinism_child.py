@@ -9,7 +9,7 @@ from cpgbroker.model import events as EV
 from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.changes import ChangeLog
-from cpgbroker.model.replica import Replica, Shipper
+from cpgbroker.model.shipping import Shipper
 
 __test__ = False
 
@@ -33,12 +33,12 @@ def shipped(raw_log: list[Any]) -> list[str]:
     """A hot-standby primary's change batches for the log, and its backup's replica."""
     b = Broker()
     b.record_changes(ChangeLog())
-    shipper, replica = Shipper(), Replica()
+    shipper, replica = Shipper(), Broker()
     h = hashlib.sha256()
     for i, raw in enumerate(raw_log):
         b.apply(getattr(EV, raw[0])(*raw[1:]))
         if i % 3 == 0:
             batch = shipper.batch(b)
             h.update(batch)
-            replica.apply(batch)
-    return [h.hexdigest(), replica.digest()]
+            replica.apply(EV.Changes(batch))
+    return [h.hexdigest(), S.digest(replica)]

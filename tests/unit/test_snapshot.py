@@ -44,6 +44,7 @@ from cpgbroker.model.output import Clock, Output
 from cpgbroker.model.permissions import Permissions
 from cpgbroker.model.policies import Policies
 from cpgbroker.model.queueflow import QueueFlow
+from cpgbroker.model.replica import Replication
 from cpgbroker.model.topology import Topology
 from cpgbroker.model.transactions import Transactions
 from cpgbroker.model.users import Users
@@ -93,6 +94,7 @@ COMPONENTS = (
     Admin,
     ResourceOps,
     Federation,
+    Replication,
 )
 # Component attributes that are transient between events or replica-local statistics
 # (configuration is compared: equal by construction).

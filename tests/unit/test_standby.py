@@ -85,3 +85,34 @@ def test_the_mode_is_checked_in_the_configuration(tmp_path: object) -> None:
     bad.write_text('[cluster]\ngroup = "g"\nmode = "primary-backup"\n')
     with pytest.raises(ConfigError, match=r"cluster\.mode must be"):
         load(str(bad))
+
+
+@pytest.mark.parametrize(
+    ("cluster", "extra", "error"),
+    [
+        ('mode = "hot-standby"\nreplication = "changes"', "", None),
+        ('mode = "hot-standby"\nreplication = "changes"\nreplicate = "durable"', "", None),
+        ('replication = "changes"', "", 'needs mode = "hot-standby"'),
+        ('mode = "hot-standby"\nreplication = "state"', "", r"cluster\.replication must be"),
+        ('mode = "hot-standby"\nreplicate = "durable"', "", 'needs replication = "changes"'),
+        ('mode = "hot-standby"\nreplication = "changes"\nreplicate = "some"', "", "one of"),
+        (
+            'mode = "hot-standby"\nreplication = "changes"',
+            '[store]\ndir = "/tmp/x"\n',
+            "does not store change batches yet",
+        ),
+    ],
+)
+def test_shipping_changes_is_checked_in_the_configuration(
+    tmp_path: object, cluster: str, extra: str, error: str | None
+) -> None:
+    from pathlib import Path
+
+    path = Path(str(tmp_path)) / "c.toml"
+    path.write_text(f'[cluster]\ngroup = "g"\nsize = 3\n{cluster}\n{extra}')
+    if error is None:
+        cfg = load(str(path))
+        assert cfg.cluster is not None and cfg.cluster.replication == "changes"
+        return
+    with pytest.raises(ConfigError, match=error):
+        load(str(path))

@@ -23,6 +23,7 @@ import attrs
 from cpgbroker.errors import ClusterError
 from cpgbroker.model.events import (
     AdminCommand,
+    Changes,
     ClientConnected,
     ClientData,
     ClientDisconnected,
@@ -58,6 +59,8 @@ T_ERROR_CHECK = 14
 T_STOP = 15
 T_ADMIN = 16
 T_FORWARD = 17
+# A hot-standby primary's change batch (model/replica.py): u32 length, the batch.
+T_CHANGES = 18
 
 # ClientConnected's flags.
 F_LOOPBACK = 1
@@ -255,6 +258,9 @@ def encode(ev: Any) -> bytes:
         )
     if t is Forward:
         return _U8.pack(T_FORWARD) + encode_forward(ev)
+    if t is Changes:
+        data: bytes = ev.data
+        return _U8.pack(T_CHANGES) + _U32.pack(len(data)) + data
     raise ClusterError(f"cannot encode {ev!r}")
 
 
@@ -391,6 +397,14 @@ def decode_batch(data: bytes, sender: int) -> list[Any]:
                 if len(args) != size:
                     raise IndexError("admin arguments past the end of the batch")
                 out.append(AdminCommand(member, ticket, user, op, args))
+                p += 4 + size
+                continue
+            if t == T_CHANGES:
+                size = _U32.unpack_from(data, p)[0]
+                batch = bytes(mv[p + 4 : p + 4 + size])
+                if len(batch) != size:
+                    raise IndexError("change batch past the end of the batch")
+                out.append(Changes(batch))
                 p += 4 + size
                 continue
             if t == T_FORWARD:

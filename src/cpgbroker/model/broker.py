@@ -46,6 +46,8 @@ component         module                 owns
 ``channels``      ``channel.py``         the method table; channels opening and closing
 ``conns``         ``connection.py``      ``connections``; handshake, frames, closes
 ``admin``         ``admin.py``           nothing: applies operators' changes (AdminCommand)
+``replication``   ``replica.py``         a hot-standby backup's index of messages; applies
+                                         the primary's change batches (Changes)
 ================  =====================  ==================================================
 
 The broker itself keeps the event counter (``event_seq``) and ``apply``, the single entry
@@ -67,6 +69,7 @@ from cpgbroker.model.delivery import Delivery
 from cpgbroker.model.entities import Connection, Queue
 from cpgbroker.model.events import (
     AdminCommand,
+    Changes,
     ClientConnected,
     ClientData,
     ClientDisconnected,
@@ -88,6 +91,7 @@ from cpgbroker.model.output import Clock, Output
 from cpgbroker.model.permissions import Permissions
 from cpgbroker.model.policies import Policies
 from cpgbroker.model.queueflow import QueueFlow
+from cpgbroker.model.replica import Replication
 from cpgbroker.model.topology import Topology, VHost
 from cpgbroker.model.transactions import Transactions
 from cpgbroker.model.users import Users
@@ -183,6 +187,8 @@ class Broker:
             self.out,
             self.federation,
         )
+        # A hot-standby backup applies the primary's change batches (model/replica.py).
+        self.replication = Replication(self)
         # A hot-standby primary's change log (model/changes.py): see record_changes.
         self._changes: ChangeLog | None = None
         # Bound once: apply routes every event through these.
@@ -230,6 +236,8 @@ class Broker:
             self.admin.apply(event)  # type: ignore[arg-type]
         elif t is Forward:
             self.admin.forward(event)  # type: ignore[arg-type]
+        elif t is Changes:
+            self.replication.apply(event.data)  # type: ignore[union-attr]
         else:
             raise InvariantError(f"unknown event {event!r}")
         # Ticks only delete queues (which say so) and close connections; every other kind

@@ -147,6 +147,14 @@ class Forward:
     messages: tuple[tuple[str, bytes, bytes, bytes, bool], ...]
 
 
+@attrs.frozen
+class Changes:
+    """A hot-standby primary's change batch (model/changes.py, model/replica.py): what its
+    broker changed, applied by every backup's broker in place of its clients' bytes."""
+
+    data: bytes
+
+
 Event = (
     ClientConnected
     | ClientData
@@ -160,6 +168,7 @@ Event = (
     | DiskAlarm
     | AdminCommand
     | Forward
+    | Changes
 )
 
 

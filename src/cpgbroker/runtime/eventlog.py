@@ -44,6 +44,7 @@ TYPE_NAMES = {
     "DiskAlarm": "disk-alarm",
     "AdminCommand": "admin",
     "Forward": "forward",
+    "Changes": "changes",
 }
 
 

@@ -80,7 +80,14 @@ from cpgbroker.corosync.events import (
 )
 from cpgbroker.errors import ClusterError
 from cpgbroker.model.broker import Broker
-from cpgbroker.model.events import ClientConnected, ClientData, MemberLeft, Recovered, Tick
+from cpgbroker.model.events import (
+    Changes,
+    ClientConnected,
+    ClientData,
+    MemberLeft,
+    Recovered,
+    Tick,
+)
 from cpgbroker.runtime.admindesk import AdminDesk
 from cpgbroker.runtime.applytimes import APPLY_SAMPLE, ApplyTimes
 from cpgbroker.runtime.checkpoints import Checkpointer
@@ -95,7 +102,8 @@ from cpgbroker.runtime.quorum_trio import TrioQuorum
 from cpgbroker.runtime.ringgate import VERDICT_TIMEOUT, RingGate
 from cpgbroker.runtime.server import Node
 from cpgbroker.runtime.settings import ServerConfig
-from cpgbroker.runtime.standby import HotStandby
+from cpgbroker.runtime.shipping import Shipping
+from cpgbroker.runtime.standby import HotStandby, primary_of
 from cpgbroker.runtime.stops import STOP_SETTLE, Stops
 from cpgbroker.runtime.updater import DeferredUpdate, Updater
 from cpgbroker.runtime.watchdog import ApplyMark
@@ -124,6 +132,10 @@ def config_digest(config: ServerConfig) -> bytes:
     relevant["checkpoint_every"] = config.cluster.checkpoint_every
     # One mode for the whole cluster: a second primary would serve clients beside the first.
     relevant["mode"] = config.cluster.mode
+    if config.cluster.replication != "bytes":
+        # (Only then: the digest of every configuration from before the setting is unchanged.)
+        relevant["replication"] = config.cluster.replication
+        relevant["replicate"] = config.cluster.replicate
     # Who decides a restart, and how many serving members a durable confirm needs.
     relevant["recover_with"] = "" if config.store is None else config.store.recover_with
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).digest()
@@ -197,15 +209,42 @@ class ClusterNode:
         self.progress = PeerProgress(member, cluster.max_lag)
         self.multicast = Multicaster(cpg, self.progress, self.lag, self.report)
         send = self.multicast.send_control
-        self.confirms = ConfirmGate(self._event_seq)
-        self.io = Node(
-            config, member, sequencer=self.multicast, gate=self.confirms, conn_counter=conn_counter
+        # Hot standby shipping state changes (runtime/shipping.py): the primary's clients and
+        # operators are served by its own broker, which ships what it changed; confirms and
+        # answers wait for the batch that carries them. None: the stream carries client events.
+        self.shipping = (
+            Shipping(
+                member,
+                cluster.replicate,
+                config.tick_ms,
+                self.multicast.submit_nowait,
+                lambda: self.multicast.queued_bytes,
+            )
+            if cluster.replication == "changes"
+            else None
         )
+        shipping = self.shipping
+        self.confirms = ConfirmGate(self._event_seq if shipping is None else shipping.batch_number)
+        self.io = Node(
+            config,
+            member,
+            sequencer=self.multicast if shipping is None else shipping,
+            gate=self.confirms,
+            conn_counter=conn_counter,
+        )
+        if shipping is not None:
+            shipping.io = self.io
+            # A batch that output or an operator's answer waits for asks to be reported.
+            shipping.holding = lambda: bool(self.confirms.holding or self.desk.unsettled)
         # A sample of how long events take to apply (runtime/applytimes.py).
         self.apply_times = ApplyTimes()
         # Operators' changes: answered once as safe as a durable confirm.
-        self.desk = AdminDesk(
-            member, self.multicast.submit, self._event_seq, settled=self._admin_settled
+        self.desk = (
+            AdminDesk(member, self.multicast.submit, self._event_seq, settled=self._admin_settled)
+            if shipping is None
+            else AdminDesk(
+                member, shipping.submit, shipping.batch_number, settled=self._admin_settled
+            )
         )
         self.io.desk = self.desk
         self.broker.admin.local_member = member
@@ -256,8 +295,9 @@ class ClusterNode:
     # ------------------------------------------------------------------ for the process
 
     async def submit(self, ev: Any) -> None:
-        """Multicast ``ev`` as this member's clients' events are."""
-        await self.multicast.submit(ev)
+        """Take ``ev`` as this member's clients' events are taken: multicast, or (shipping
+        changes) applied by the serving broker."""
+        await self.io.submit(ev)
 
     def guarded_tasks(self) -> list[Any]:
         """The incarnation's tasks whose ``ClusterError`` means this member must leave."""
@@ -369,13 +409,22 @@ class ClusterNode:
         return codec.encode(Progress(self.member, seq, durable))
 
     def _admin_settled(self) -> int:
-        """The highest event whose changes an operator may be told are done (see desk)."""
+        """The highest event whose changes an operator may be told are done (see desk);
+        shipping changes: the highest of our batches."""
+        if self.shipping is not None:
+            return self.shipping.stable_batch(self.stable_seq())
         return self.stable_seq() if self.store is None else self.durable_stable_seq()
 
     def _release_stable(self) -> None:
-        self.confirms.release(
-            self.stable_seq(), self.io, None if self.store is None else self.durable_stable_seq()
-        )
+        if self.shipping is not None:
+            # Output waits for batches (runtime/shipping.py); no store in this mode.
+            self.confirms.release(self.shipping.stable_batch(self.stable_seq()), self.io)
+        else:
+            self.confirms.release(
+                self.stable_seq(),
+                self.io,
+                None if self.store is None else self.durable_stable_seq(),
+            )
         if self.desk.unsettled:
             self.desk.settle(self._admin_settled())
 
@@ -578,6 +627,18 @@ class ClusterNode:
         """Apply one event of the stream. An exception here is an error the stream does not
         explain (the same event applies cleanly elsewhere, or everywhere fails alike): the
         cluster decides in an error-check round."""
+        shipping = self.shipping
+        if shipping is not None and type(e) is not Changes:
+            # Shipping changes, the stream broker takes nothing but the primary's batches
+            # (the membership's events go to the serving broker, if any); every member
+            # decides so alike.
+            shipping.on_stream(e)
+            return
+        if shipping is not None:
+            primary = primary_of(self.membership)
+            if primary is None or sender != primary.member:
+                log.warning("a change batch from member %s, which is not primary: dropped", sender)
+                return
         broker = self.broker
         seq = broker.event_seq + 1
         mark = self.applying
@@ -607,6 +668,8 @@ class ClusterNode:
         mark.seq = 0
         if type(e) is ClientConnected and e.member != self.member:
             broker.set_emit(e.conn, False)
+        elif shipping is not None and sender == self.member:
+            shipping.delivered_back(broker.event_seq)
         self._after_apply(e, sender)
 
     def _after_apply(self, e: Any, sender: int, failed: bool = False) -> None:
@@ -666,6 +729,7 @@ class ClusterNode:
             )
         if membership.state == NEEDS_UPDATE and self.newcomer.attempt is None:
             self.newcomer.request()
+        self._check_role()
 
     def _on_confchg(self, ev: ConfChg) -> None:
         members, joined, left = self.partitions.view(ev)
@@ -685,6 +749,30 @@ class ClusterNode:
         if left and self.membership.state == READY:
             self.checkpoints.members_changed(self.membership.ready_members)
             self.errorchecks.members_left(left)
+        self._check_role()
+
+    def _check_role(self) -> None:
+        """Shipping changes: become primary (serve a copy of the replica) when the stream
+        says so, at the same point on every member; or stop serving when it no longer does."""
+        shipping = self.shipping
+        if shipping is None or self.suspended is not None or self.failure is not None:
+            return
+        primary = primary_of(self.membership)
+        mine = (
+            self.membership.state == READY
+            and self.ready.is_set()
+            and self.stops.halted is None
+            and primary is not None
+            and primary.member == self.member
+        )
+        if mine and not shipping.active:
+            shipping.promote(self.broker, self.io.now_ms())
+        elif not mine and shipping.active:
+            shipping.demote()
+            self.confirms.drop()
+            assert self.standby is not None
+            why = self.standby.refusal() or "this member is no longer the hot-standby primary"
+            self.io.force_close(why, "no longer primary")
 
     def _on_partition_merge(self, ev: PartitionMerge) -> None:
         """Two sides of a partition merged: neither saw what the other applied meanwhile.
@@ -743,6 +831,7 @@ class ClusterNode:
                     self.membership.clock_master,
                 )
                 self.ready.set()
+                self._check_role()
             elif t is ApplyToModel:
                 if self.stops.halted is not None:
                     continue
@@ -895,8 +984,21 @@ class ClusterNode:
             await trio.sleep(interval)
             # Written in 64 KiB chunks otherwise: a kill -9 would lose far more than a tick.
             events.flush()
-            if membership.state == READY and membership.clock_master == self.member:
+            if (
+                membership.state == READY
+                and membership.clock_master == self.member
+                # Shipping changes, the serving broker keeps its own time (runtime/shipping.py).
+                and self.shipping is None
+            ):
                 await self.multicast.submit(Tick(self.io.now_ms()))
+
+    @property
+    def view(self) -> Broker:
+        """The broker the management API and /metrics read: the serving broker of a primary
+        shipping changes (its clients, consumers and unacked messages), else the stream's."""
+        if self.shipping is not None and self.shipping.broker is not None:
+            return self.shipping.broker
+        return self.broker
 
     def state_name(self) -> str:
         if self.suspended is not None:

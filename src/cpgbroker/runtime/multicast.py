@@ -80,6 +80,11 @@ class Multicaster:
 
     async def submit(self, ev: Event) -> None:
         """Multicast instead of apply: the event takes effect when CPG delivers it."""
+        self.submit_nowait(ev)
+
+    def submit_nowait(self, ev: Event) -> None:
+        """:meth:`submit` without a checkpoint (it never waits): events submitted one after
+        another go out in that order."""
         if self.halted:
             # Stopped at a point of the stream: nothing of this member's clients may follow it
             # (their publishes would be applied by the members serving on, unconfirmed).
@@ -104,6 +109,11 @@ class Multicaster:
     def queued(self) -> int:
         """Client events waiting for the sender."""
         return len(self._out)
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes of client events waiting for the sender."""
+        return self._out_bytes
 
     def _send_direct(self, data: bytes | None, client: bool) -> bool:
         """Multicast ``data`` in this scheduling turn, if nothing queued or being sent would

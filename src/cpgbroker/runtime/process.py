@@ -183,7 +183,7 @@ class MemberProcess:
         node = self.node
         if node is None or node.suspended is not None or not node.serving:
             return None
-        return node.broker
+        return node.view
 
     async def admin_command(
         self, user: str, op: str, args: dict[str, Any], timeout: float
@@ -194,6 +194,13 @@ class MemberProcess:
             return 503, {
                 "error": "unavailable",
                 "reason": f"this member does not serve ({self.phase})",
+            }
+        if node.shipping is not None and not node.shipping.active:
+            # Shipping changes, only the primary's broker applies operators' changes.
+            assert node.standby is not None
+            return 503, {
+                "error": "unavailable",
+                "reason": node.standby.refusal() or "this member is a hot-standby backup",
             }
         return await node.desk.request(user, op, args, timeout)
 
@@ -505,6 +512,8 @@ class MemberProcess:
                     nursery.start_soon(node.federation.run)
                     if node.standby is not None:
                         nursery.start_soon(node.standby.watch, node.io.close_all)
+                    if node.shipping is not None:
+                        nursery.start_soon(node.shipping.run)
                     activity = -1
                     while not node.ready.is_set():
                         with trio.move_on_after(cluster.ready_timeout):
@@ -608,7 +617,9 @@ def member_status(node: ClusterNode, with_digest: bool) -> dict[str, Any]:
     """What ``cpgbroker status`` shows of a member that serves (or is getting ready to)."""
     b = node.broker
     local_conns = node.io.local
-    local = sum(1 for c in b.connections if c in local_conns)
+    # Shipping changes, the primary's clients are its serving broker's, not the stream's.
+    served = node.view
+    local = sum(1 for c in served.connections if c in local_conns)
     last = node.checkpoints.last
     cpg = node.multicast.cpg
     out = model_status(b, len(local_conns), with_digest)
@@ -619,6 +630,18 @@ def member_status(node: ClusterNode, with_digest: bool) -> dict[str, Any]:
             "state": node.state_name(),
             "clock_master": node.membership.clock_master,
             **({"mode": "active-active"} if node.standby is None else node.standby.status()),
+            **(
+                {}
+                if node.shipping is None
+                else {
+                    "replication": "changes",
+                    "replicate": node.shipping.replicate,
+                    "batches": {
+                        "shipped": node.shipping.shipped,
+                        "stable": node.shipping.stable,
+                    },
+                }
+            ),
             "members": [
                 {
                     "member": m,
@@ -636,7 +659,7 @@ def member_status(node: ClusterNode, with_digest: bool) -> dict[str, Any]:
                 }
                 for m, i in node.membership.members.items()
             ],
-            "connections": {"local": local, "shadow": len(b.connections) - local},
+            "connections": {"local": local, "shadow": len(served.connections) - local},
             "checkpoint": None
             if last is None
             else {

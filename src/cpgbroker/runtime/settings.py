@@ -11,6 +11,7 @@ import attrs
 
 from cpgbroker.errors import ConfigError
 from cpgbroker.model import auth, permissions
+from cpgbroker.model.changes import REPLICATE
 from cpgbroker.model.config import BrokerConfig, Permission, Policy, User
 from cpgbroker.model.federation import Upstream, upstream_from_value
 from cpgbroker.model.policies import validate as validate_policy
@@ -70,6 +71,15 @@ class ClusterConfig:
     # member does; the others turn clients away naming it: runtime/standby.py). Every member
     # must use the same (it is part of what members compare when they join).
     mode: str = "active-active"
+    # Hot standby only: what reaches the backups. "bytes": the primary's clients' bytes,
+    # applied by every member as in active-active. "changes": the primary applies its
+    # clients' bytes alone and ships what its broker changed (model/changes.py); a backup
+    # spends a fraction of the CPU per message (runtime/shipping.py).
+    replication: str = "bytes"
+    # With replication = "changes": which messages ship. "all" (but exclusive and reply-to
+    # queues'), "durable" (persistent messages on durable queues: what a restart keeps;
+    # the rest is lost when the primary dies), "definitions" (no message).
+    replicate: str = "all"
     # Member-local AMQP listeners (HOST:PORT; none by default): what clients do there never
     # crosses the cluster. Their queues live on this member only and die with it
     # (runtime/localbroker.py); users, permissions and vhosts are the cluster's.
@@ -321,6 +331,8 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             fault_injection=bool(c.get("fault_injection", False)),
             allow_plaintext_ring=bool(c.get("allow_plaintext_ring", False)),
             mode=str(c.get("mode", "active-active")),
+            replication=str(c.get("replication", "bytes")),
+            replicate=str(c.get("replicate", "all")),
             local_listen=_addresses(c.get("local_listen", []), "cluster.local_listen"),
             local_listen_tls=_addresses(c.get("local_listen_tls", []), "cluster.local_listen_tls"),
         )
@@ -342,6 +354,8 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             "fault_injection",
             "allow_plaintext_ring",
             "mode",
+            "replication",
+            "replicate",
             "local_listen",
             "local_listen_tls",
         )
@@ -353,6 +367,30 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
         if cluster.mode not in ("active-active", "hot-standby"):
             raise ConfigError(
                 f'cluster.mode must be "active-active" or "hot-standby", not {cluster.mode!r}'
+            )
+        if cluster.replication not in ("bytes", "changes"):
+            raise ConfigError(
+                f'cluster.replication must be "bytes" or "changes", not {cluster.replication!r}'
+            )
+        if cluster.replicate not in REPLICATE:
+            raise ConfigError(
+                f"cluster.replicate must be one of {', '.join(REPLICATE)}, not "
+                f"{cluster.replicate!r}"
+            )
+        if cluster.replication == "changes" and cluster.mode != "hot-standby":
+            raise ConfigError(
+                'cluster.replication = "changes" needs mode = "hot-standby": in active-active '
+                "every member serves clients, so every member applies their bytes"
+            )
+        if cluster.replicate != "all" and cluster.replication != "changes":
+            raise ConfigError(
+                "cluster.replicate chooses what a hot-standby primary ships: it needs "
+                'replication = "changes"'
+            )
+        if cluster.replication == "changes" and upstreams:
+            raise ConfigError(
+                'cluster.replication = "changes" does not run federation links yet '
+                '([[upstreams]]): use replication = "bytes"'
             )
         if cluster.checkpoint_every < 1:
             raise ConfigError("cluster.checkpoint_every must be at least 1")
@@ -369,6 +407,11 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
     store = _store(dict(data["store"])) if "store" in data else None
     if store is not None and cluster is None:
         raise ConfigError("[store] needs [cluster]: the store records a cluster member's stream")
+    if store is not None and cluster is not None and cluster.replication == "changes":
+        raise ConfigError(
+            'cluster.replication = "changes" does not store change batches yet: a [store] '
+            'needs replication = "bytes"'
+        )
     admin_listen = str(server.get("admin", ""))
     if admin_listen:
         parse_listen(admin_listen)

@@ -17,6 +17,7 @@ import struct
 from cpgbroker.errors import InvariantError
 from cpgbroker.model.events import (
     AdminCommand,
+    Changes,
     ClientConnected,
     ClientData,
     ClientDisconnected,
@@ -45,6 +46,7 @@ R_RECOVERED = 9
 R_DISK_ALARM = 10
 R_ADMIN = 11
 R_FORWARD = 12
+R_CHANGES = 13
 # Or'ed into the type byte: the cluster failed this event (it counts, its connection closes).
 FAILED = 0x80
 
@@ -104,6 +106,8 @@ def encode(ev: Event, failed: bool = False) -> bytes:
         return _QQ.pack(R_ADMIN | flag, a.member, a.ticket) + _s(a.user) + _s(a.op) + a.args
     if t is Forward:
         return bytes([R_FORWARD | flag]) + encode_forward(ev)  # type: ignore[arg-type]
+    if t is Changes:
+        return bytes([R_CHANGES | flag]) + ev.data  # type: ignore[union-attr]
     raise InvariantError(f"cannot journal {ev!r}")
 
 
@@ -155,6 +159,8 @@ def decode(payload: bytes) -> tuple[Event, bool]:
         ev = DiskAlarm(_Q.unpack_from(payload)[1], bool(payload[_Q.size]))
     elif kind == R_FORWARD:
         ev = decode_forward(payload, 1)[0]
+    elif kind == R_CHANGES:
+        ev = Changes(payload[1:])
     elif kind == R_ADMIN:
         _, member, ticket = _QQ.unpack_from(payload)
         p = _QQ.size

@@ -1,0 +1,198 @@
+"""Hot standby with state shipping (``[cluster] replication = "changes"``): the primary's side.
+
+Theory of operation
+-------------------
+With ``replication = "bytes"`` a hot-standby primary multicasts its clients' bytes and every
+member applies them. With ``"changes"`` the primary's clients are served by a broker of the
+primary alone, the *serving broker*, which applies their events the moment they are read (as
+a standalone broker does) and records what it changed (``model/changes.py``). After each event
+:class:`Shipping` encodes the records as a change batch (``model/shipping.py``) and multicasts
+it as a :class:`~cpgbroker.model.events.Changes` event. Every member, the primary too, applies
+the ordered batches to its stream broker, a broker without connections (``model/replica.py``):
+that is what backups hold, what state updates, checkpoints and the management API of a backup
+read, and what a backup promotes when it becomes primary.
+
+* **Confirms** (and tx.commit-ok, and operators' answers) wait until the batch that carries
+  their change is stable: delivered back here and applied by every ready member, as the
+  progress reports say (the member's confirm gate and admin desk count batches, not events:
+  :meth:`batch_number`, :meth:`stable_batch`). So an acknowledged message survives the loss of
+  every member but one, as in active-active. Deliveries to consumers do not wait: a message a
+  consumer got whose batch was lost with the primary was never confirmed to its publisher.
+* **Batches** are cut by :meth:`run` one scheduling round after an event was applied, so under
+  load one batch carries the events of many clients. **Flow control**: a reader whose batches
+  pile up in the multicast queue waits (:data:`QUEUE_LIMIT`); the multicaster holds the queue
+  while a backup lags.
+* **Time**: the serving broker ticks on this member's clock (:meth:`run`); the stream
+  carries no ticks in this mode, and a replica never expires anything itself: the primary's
+  batches say what expired.
+* **Promotion** (:meth:`promote`): when the stream makes this member primary (the eldest
+  ready member: ``runtime/standby.py``), it copies its replica through a snapshot and turns the
+  copy into the serving broker (``model.shipping.promote``), recording from before the first
+  step so that what promotion changes (dead-lettering past a delivery limit, queues of the
+  dead primary's clients deleted) ships too. The copy costs time in proportion to the state;
+  clients of the new primary wait that long.
+
+Owns: the serving broker (while primary), the batch counters.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from cpgbroker.model import snapshot
+from cpgbroker.model.broker import Broker
+from cpgbroker.model.changes import ChangeLog
+from cpgbroker.model.events import Changes, ClusterMembers, Event, Tick
+from cpgbroker.model.shipping import Shipper, promote
+from cpgbroker.runtime.server import Node
+
+log = logging.getLogger("cpgbroker.shipping")
+
+# Bytes of batches waiting to be multicast beyond which the primary's readers wait.
+QUEUE_LIMIT = 8 * 2**20
+# How often a waiting reader looks at the queue again.
+QUEUE_RECHECK = 0.005
+
+
+class Shipping:
+    # Events take effect when submitted (no reads in flight to count).
+    deferred = False
+
+    def __init__(
+        self,
+        member: int,
+        replicate: str,
+        tick_ms: int,
+        send: Callable[[Event], None],
+        queued_bytes: Callable[[], int],
+    ) -> None:
+        self.member = member
+        self.replicate = replicate
+        self._tick = tick_ms / 1000
+        self._send = send
+        # Set when something was applied since the last batch was cut.
+        self._due = trio.Event()
+        self._queued_bytes = queued_bytes
+        self.io: Node | None = None
+        # The serving broker, while this member is primary.
+        self.broker: Broker | None = None
+        self._shipper = Shipper()
+        # Batches multicast, and of our own delivered back: their numbers and event seqs,
+        # until stable.
+        self.shipped = 0
+        self.delivered = 0
+        self._unstable: collections.deque[tuple[int, int]] = collections.deque()
+        self.stable = 0
+        # Output waits on this (ConfirmGate.holding): read when a batch is cut.
+        self.holding: Callable[[], bool] = lambda: False
+
+    @property
+    def active(self) -> bool:
+        return self.broker is not None
+
+    # ------------------------------------------------------------------ the node's sequencer
+
+    async def submit(self, ev: Event) -> None:
+        """An event of this member's clients (or operators): applied now, shipped with the
+        next batch (:meth:`run` cuts it once the events ready now are applied)."""
+        b = self.broker
+        if b is None:
+            return  # not primary (any more): its clients are being closed
+        assert self.io is not None
+        self.io.execute(b.apply(ev))
+        self._due.set()
+        while self._queued_bytes() > QUEUE_LIMIT and self.broker is not None:
+            await trio.sleep(QUEUE_RECHECK)
+
+    async def run(self) -> None:
+        """For ever: cut and multicast batches, and tick the serving broker."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._ticker)
+            while True:
+                await self._due.wait()
+                self._due = trio.Event()
+                # One scheduling round first: the reads of other clients that are ready now
+                # are applied into this batch too. Under load a batch then carries many
+                # clients' events, and a backup pays its per-event costs once for them.
+                await trio.lowlevel.checkpoint()
+                self.ship()
+
+    def ship(self) -> None:
+        """Multicast what the serving broker changed since the last batch, if anything, or
+        an empty batch when output waits for one."""
+        b = self.broker
+        if b is None:
+            return
+        log_ = b.changes
+        assert log_ is not None
+        holding = self.holding()
+        if not (log_.records or log_.structural or holding):
+            return
+        batch = self._shipper.batch(b, confirms=holding)
+        self.shipped += 1
+        self._send(Changes(batch))
+
+    def batch_number(self) -> int:
+        """The batch that will carry what is being applied now (what held output waits for)."""
+        return self.shipped + 1
+
+    # ------------------------------------------------------------------ the stream
+
+    def delivered_back(self, seq: int) -> None:
+        """One of our batches was applied here as stream event ``seq``."""
+        self.delivered += 1
+        self._unstable.append((self.delivered, seq))
+
+    def stable_batch(self, stable_seq: int) -> int:
+        """The last of our batches applied by every ready member, given the stable event."""
+        unstable = self._unstable
+        while unstable and unstable[0][1] <= stable_seq:
+            self.stable = unstable.popleft()[0]
+        return self.stable
+
+    # ------------------------------------------------------------------ role
+
+    def promote(self, replica: Broker, now_ms: int) -> None:
+        """Become primary: serve a copy of ``replica`` (module docstring)."""
+        b = snapshot.restore(snapshot.parts(replica), replica.config)
+        b.admin.local_member = self.member
+        b.record_changes(ChangeLog(self.replicate))
+        promote(b, self.replicate)
+        self._shipper = Shipper()
+        # The batches numbered from here on are this primary's; none is in flight.
+        self.shipped = self.delivered = self.stable = 0
+        self._unstable.clear()
+        self.broker = b
+        assert self.io is not None
+        self.io.execute(b.apply(Tick(max(now_ms, b.now_ms))))
+        self._due.set()
+        log.warning(
+            "promoted to hot-standby primary: %d queues, %d messages",
+            sum(len(vh.queues) for vh in b.vhosts.values()),
+            sum(len(q.messages) for vh in b.vhosts.values() for q in vh.queues.values()),
+        )
+
+    def demote(self) -> None:
+        """No longer primary: the serving broker goes (its clients are closed by the member)."""
+        if self.broker is not None:
+            log.warning("no longer the hot-standby primary: dropping the serving broker")
+        self.broker = None
+
+    async def _ticker(self) -> None:
+        """Cluster time for the serving broker: this member's clock, while it is primary."""
+        while True:
+            await trio.sleep(self._tick)
+            if self.broker is not None and self.io is not None:
+                await self.submit(Tick(self.io.now_ms()))
+
+    def on_stream(self, ev: Any) -> None:
+        """A model event of the stream other than a change batch (membership's): a replica
+        takes nothing but batches; the serving broker takes the member list."""
+        if self.broker is not None and type(ev) is ClusterMembers:
+            assert self.io is not None
+            self.io.execute(self.broker.apply(ev))

@@ -1,0 +1,112 @@
+"""Hot standby shipping changes (runtime/shipping.py) in real ``ClusterNode``s on the in-memory
+total-order bus: the primary's clients are served by its own broker, backups apply its change
+batches, a confirm waits until every backup applied the batch that carries it, and when the
+primary goes the next member serves what the backups hold."""
+
+from __future__ import annotations
+
+import trio
+from pamqp import commands
+
+from cpgbroker.corosync.events import ConfChg, Member, MemberChange, Reason
+from cpgbroker.model import snapshot
+from cpgbroker.model.events import ClientData, DoOutput
+from cpgbroker.model.shipping import messages
+from nodeharness import (
+    Client,
+    acks,
+    close_sockets,
+    open_confirm_channel,
+    publish_bytes,
+    start,
+    until,
+)
+
+_close_sockets = close_sockets
+
+CHANGES = {"mode": "hot-standby", "replication": "changes"}
+
+
+async def test_backups_apply_batches_and_a_confirm_waits_for_all_of_them() -> None:
+    async with trio.open_nursery() as nursery:
+        (a, b, c), cpgs = await start(nursery, 3, **CHANGES)
+        assert a.shipping is not None and a.shipping.active
+        assert b.shipping is not None and not b.shipping.active
+        client = await open_confirm_channel(a)
+        # The backups' brokers hold no connection: only what the primary changed.
+        await until(lambda: "q" in b.broker.vhosts["/"].queues)
+        assert not b.broker.connections and not a.broker.connections
+        assert len(a.shipping.broker.connections) == 1  # type: ignore[union-attr]
+        cpgs[2].paused = True  # one backup does not get the batch yet
+        await a.submit(ClientData(client.lc.id, publish_bytes(b"m1")))
+        await until(lambda: messages(b.broker) == 1)
+        await trio.sleep(0.05)
+        assert acks(client) == [], "a confirm waits for every backup"
+        cpgs[2].resume()
+        await until(lambda: len(acks(client)) == 1)
+        assert messages(c.broker) == 1
+        # Every member's stream broker is the same, the primary's too.
+        await until(lambda: a.broker.event_seq == b.broker.event_seq == c.broker.event_seq)
+        digests = {snapshot.digest(n.broker) for n in (a, b, c)}
+        assert len(digests) == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_next_member_serves_what_the_backups_hold_when_the_primary_goes() -> None:
+    async with trio.open_nursery() as nursery:
+        (a, b, c), cpgs = await start(nursery, 3, **CHANGES)
+        client = await open_confirm_channel(a)
+        for i in range(5):
+            await a.submit(ClientData(client.lc.id, publish_bytes(b"m%d" % i)))
+        await until(lambda: len(acks(client)) == 5)
+        # A consumer with a prefetch of 2 acks its first: m1 and m2 are out with it when the
+        # primary dies.
+        await client.send(1, commands.Basic.Qos(prefetch_count=2))
+        await client.send(1, commands.Basic.Consume(queue="q"))
+        await a.submit(DoOutput(client.lc.id, 100))
+        await until(lambda: delivered(client) == 2)
+        await client.send(1, commands.Basic.Ack(delivery_tag=1))
+        await until(lambda: delivered(client) == 3)
+        await until(lambda: messages(b.broker) == 4 and messages(c.broker) == 4)
+        # The primary's process dies.
+        bus = cpgs[0].bus
+        bus.subs.remove(cpgs[0])
+        bus.post(
+            ConfChg(
+                b"g",
+                tuple(Member(x.local_nodeid, 1000) for x in bus.subs),
+                (MemberChange(1, 1000, Reason.PROCDOWN),),
+                (),
+            )
+        )
+        await until(lambda: b.shipping is not None and b.shipping.active)
+        assert c.shipping is not None and not c.shipping.active
+        served = b.shipping.broker
+        assert served is not None
+        work = served.vhosts["/"].queues["q"]
+        # What the consumer held comes back redelivered; what it acked is gone.
+        assert [(e.msg.body, e.redelivered) for e in work.messages] == [
+            (b"m1", True),
+            (b"m2", True),
+            (b"m3", False),
+            (b"m4", False),
+        ]
+        # The new primary serves clients and ships to the remaining backup.
+        client2 = await open_confirm_channel(b)
+        await b.submit(ClientData(client2.lc.id, publish_bytes(b"after")))
+        await until(lambda: len(acks(client2)) == 1)
+        assert messages(c.broker) == 5
+        nursery.cancel_scope.cancel()
+
+
+async def test_operators_changes_go_through_the_primary_and_ship() -> None:
+    async with trio.open_nursery() as nursery:
+        (a, b, _c), _cpgs = await start(nursery, 3, **CHANGES)
+        status, _ = await a.desk.request("", "put_vhost", {"name": "v2"}, 5)
+        assert status in (200, 201, 204)
+        await until(lambda: "v2" in b.broker.vhosts)
+        nursery.cancel_scope.cancel()
+
+
+def delivered(c: Client) -> int:
+    return sum(isinstance(m, commands.Basic.Deliver) for m in c.methods())
