@@ -3,6 +3,9 @@ JSON.
 
     python bench/catchup_bench.py                       # 1,000,000 messages of 100 bytes
     python bench/catchup_bench.py --messages 200000
+    python bench/catchup_bench.py --changes    # replication = "changes": the update goes
+                                               # from the back of the queue, without what
+                                               # the consumer took meanwhile
 
 A 3-member dev cluster (corosync in namespaces, token 3000 ms) with ``[cluster] mode =
 "hot-standby"``; member 1 is the primary. Steps: fill queue ``big`` with ``--messages``
@@ -145,10 +148,16 @@ def main() -> int:
     ap.add_argument("--before", type=float, default=10.0)
     ap.add_argument("--after", type=float, default=10.0)
     ap.add_argument("--load", default=str(LOAD), help="path of amqp_load.py")
+    ap.add_argument("--changes", action="store_true", help='[cluster] replication = "changes"')
     args = ap.parse_args()
-    out: dict[str, Any] = {"messages": args.messages, "size": args.size}
+    out: dict[str, Any] = {
+        "messages": args.messages,
+        "size": args.size,
+        "replication": "changes" if args.changes else "bytes",
+    }
+    options = 'mode = "hot-standby"' + ('\nreplication = "changes"' if args.changes else "")
     with DevCluster(3, prefix="catchup", token_ms=3000) as dc:
-        bs = BrokerSet(dc, event_log=False, cluster_options='mode = "hot-standby"')
+        bs = BrokerSet(dc, event_log=False, cluster_options=options)
         bs.start_all()
         try:
             t = time.monotonic()

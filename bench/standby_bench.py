@@ -3,6 +3,7 @@
     python bench/standby_bench.py                      # 200 clients, corosync token 1000 ms
     python bench/standby_bench.py --clients 200 --token 3000
     python bench/standby_bench.py --node                # the primary's whole node dies
+    python bench/standby_bench.py --changes             # replication = "changes"
 
 A 3-member dev cluster (corosync in namespaces) with ``[cluster] mode = "hot-standby"``. The
 clients, one AMQP connection each, all in this process (the runtime's trio client), are given
@@ -116,10 +117,12 @@ def main() -> int:
     )
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--node", action="store_true", help="kill the primary's corosync too")
+    ap.add_argument("--changes", action="store_true", help='[cluster] replication = "changes"')
     args = ap.parse_args()
+    options = 'mode = "hot-standby"' + ('\nreplication = "changes"' if args.changes else "")
     dc = DevCluster(3, prefix=f"sbbench-{os.getpid() % 100000}", token_ms=args.token)
     with dc:
-        bs = BrokerSet(dc, event_log=False, cluster_options='mode = "hot-standby"')
+        bs = BrokerSet(dc, event_log=False, cluster_options=options)
         bs.start_all()
         try:
             st = bs.status(1)
@@ -135,6 +138,7 @@ def main() -> int:
             out.update(
                 {
                     "clients": args.clients,
+                    "replication": "changes" if args.changes else "bytes",
                     "interval_s": args.interval,
                     "corosync_token_ms": args.token,
                     "killed": f"member {primary} (primary)"

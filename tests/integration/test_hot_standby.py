@@ -5,9 +5,11 @@ is a backup (runtime/standby.py)."""
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -190,3 +192,58 @@ def test_shipping_changes_backups_take_over_with_every_confirmed_message(
     got = drain_queue(bs, new_primary, "ship.q")
     assert set(confirmed) <= set(got)
     assert len(got) == len(set(got))
+
+
+def test_shipping_changes_a_backup_catches_up_from_the_back_while_a_consumer_eats(
+    broker_set: Callable[..., BrokerSet],
+) -> None:
+    """The seeds' LIFO catch-up: a backup that joins a primary holding a deep queue gets it
+    from the back, without what the primary's consumer took while the update was sent (the
+    transfer is slowed to a few MiB/s so that the consumer takes much of it meanwhile), and
+    ends with the same state as the others; every message is consumed once or still there."""
+    bs = broker_set(cluster_options=MODE + '\nreplication = "changes"\nupdate_rate_limit = 2.0')
+    primary = the_primary(bs, [1, 2, 3])
+    backup = max(n for n in (1, 2, 3) if n != primary)
+    total = 60_000
+    conn = connect(bs, primary)
+    ch = conn.channel()
+    ch.queue_declare("deep")
+    for i in range(total):
+        ch.basic_publish("", "deep", b"%07d" % i + b"x" * 120)
+    ch.confirm_delivery()  # the publishes before it are applied once this is answered
+    conn.close()
+    bs.kill(backup)
+    consumed: list[bytes] = []
+    stop = threading.Event()
+
+    def consume() -> None:
+        c = connect(bs, primary)
+        cch = c.channel()
+        cch.basic_qos(prefetch_count=200)
+        for _m, _p, body in cch.consume("deep", auto_ack=True, inactivity_timeout=0.5):
+            if body is not None:
+                consumed.append(body[:7])
+            if stop.is_set():
+                break
+        cch.cancel()
+        c.close()
+
+    status = bs.status(primary)
+    assert status is not None
+    depth = status["queues"]["/:deep"]["ready"]
+    assert depth == total, status
+    reader = threading.Thread(target=consume, daemon=True)
+    bs.start(backup)
+    reader.start()
+    bs.wait_ready([backup], timeout=120)
+    stop.set()
+    reader.join(30)
+    log = bs.log_path(backup).read_text(errors="replace")
+    sent = [int(m) for m in re.findall(r"state update installed seq=\d+ messages=(\d+)", log)]
+    assert sent, log[-2000:]
+    print(f"LIFO catch-up: {depth} queued at the join, {sent[-1]} transferred")
+    assert sent[-1] < depth * 0.9, (sent, depth, len(consumed))
+    bs.converged([1, 2, 3])
+    left = drain_queue(bs, primary, "deep")
+    got = consumed + [b[:7] for b in left]
+    assert sorted(got) == [b"%07d" % i for i in range(total)]

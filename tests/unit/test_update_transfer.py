@@ -4,6 +4,7 @@ stream is refused rather than installed."""
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -12,6 +13,7 @@ import trio
 from cpgbroker.errors import ClusterError
 from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker
+from cpgbroker.model.entities import Queue
 from cpgbroker.runtime import update
 from workload import generate
 
@@ -111,3 +113,41 @@ async def test_stream_without_the_magic_is_not_a_transfer() -> None:
         s = await trio.open_tcp_stream("127.0.0.1", port)
         await s.send_all(b"GET / HTTP/1.1\r\n\r\n" + b"x" * 40)
         await s.aclose()
+
+
+def test_the_released_pipe_carries_what_consumers_took_and_may_drop_frames() -> None:
+    """What a parent writes on a replica update's pipe reaches the child whole, frame by
+    frame, however many ids; a full pipe drops frames, never half of one."""
+    r, w = os.pipe()
+    try:
+        os.set_blocking(w, False)
+        released = [("/", "work", i) for i in range(5000)] + [("v", "other", 7)]
+        frames = update.released_frames(released)
+        assert all(len(f) <= 4096 for f in frames) and len(frames) > 1
+        for f in frames:
+            os.write(w, f)
+        child = update.Released(r)
+        work = Queue(
+            name="work",
+            vhost="/",
+            durable=False,
+            exclusive_owner=None,
+            auto_delete=False,
+            arguments={},
+        )
+        assert child.gone(work) == set(range(5000))
+        # Fill the pipe: a write that does not fit fails whole.
+        sent = 0
+        big = update.released_frames([("/", "work", i) for i in range(5000, 400000)])
+        for f in big:
+            try:
+                os.write(w, f)
+                sent += 1
+            except BlockingIOError:
+                break
+        assert sent < len(big)
+        ids = child.gone(work)
+        assert len(ids) > 5000 and ids <= set(range(400000))
+    finally:
+        os.close(w)
+        os.close(r)

@@ -61,6 +61,33 @@ class Message:
         self.expiration_ms = expiration_ms
         self.headers_span = headers_span
 
+    @classmethod
+    def encoded(
+        cls,
+        msg_id: int,
+        ex_b: bytes,
+        rk_b: bytes,
+        header: bytes,
+        body: bytes,
+        delivery_mode: int,
+        expiration_ms: int | None,
+        headers_span: tuple[int, int] | None,
+    ) -> Message:
+        """The same message from its exchange and routing key as bytes (a hot-standby
+        backup's change batch carries them so: no encoding again, model/replica.py)."""
+        m = cls.__new__(cls)
+        m.id = msg_id
+        m.exchange = ex_b.decode()
+        m.routing_key = rk_b.decode()
+        m.ex_b = ex_b
+        m.rk_b = rk_b
+        m.header = header
+        m.body = body
+        m.delivery_mode = delivery_mode
+        m.expiration_ms = expiration_ms
+        m.headers_span = headers_span
+        return m
+
     def headers(self) -> dict[str, Any]:
         """The message's header table, decoded on demand (headers exchange, dead-lettering)."""
         if self.headers_span is None:
@@ -154,6 +181,11 @@ class PriorityMessages:
 
     def requeue(self, e: Entry) -> None:
         _insert_by_age(self._band(e), e)
+        self.count += 1
+
+    def appendleft(self, e: Entry) -> None:
+        """In front of those of its priority (a replica's update arrives from the back)."""
+        self._band(e).appendleft(e)
         self.count += 1
 
     def remove(self, e: Entry) -> None:

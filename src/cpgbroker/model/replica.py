@@ -69,13 +69,20 @@ class Replication:
     """Applies change batches to the broker it belongs to: a hot-standby backup's, which
     has no connections (``Broker.apply`` of :class:`~.events.Changes`)."""
 
-    __slots__ = ("_index", "_owner")
+    __slots__ = ("_index", "_owner", "catching_up", "released")
 
     def __init__(self, owner: Any) -> None:
         # The broker (typed Any: it imports this module, which must not import it back).
         self._owner = owner
         # (vhost, queue) -> message id -> entry; derived: built from the queue when missing.
         self._index: dict[tuple[str, str], dict[int, Entry]] = {}
+        # Replaying the stream after a state update that left out messages consumed while
+        # it was sent (snapshot.parts, ``gone``): a record for a message that is not here
+        # is for one of those, and done already. Otherwise such a record is a divergence.
+        self.catching_up = False
+        # While a state update from this member is sent: the messages released since, as
+        # (vhost, queue, id), for the updater to leave out (runtime/update.py); else None.
+        self.released: list[tuple[str, str, int]] | None = None
 
     def _entries(self, q: Queue) -> dict[int, Entry]:
         key = (q.vhost, q.name)
@@ -117,22 +124,28 @@ class Replication:
                 _, ref, mid = ref_id(batch, p)
                 p += 13
                 q, index = refs[ref]
-                e = index.pop(mid)
+                e = index.pop(mid, None)
+                if e is None:
+                    if self.catching_up:
+                        continue
+                    raise KeyError(mid)
                 msgs = q.messages
                 if msgs[0] is e:
                     msgs.popleft()
                 else:
                     msgs.remove(e)
                 release(q, e)
+                if self.released is not None:
+                    self.released.append((q.vhost, q.name, mid))
             elif kind == ENQUEUED:
                 _, ref, mid, exp, has_msg = ENQUEUED_S.unpack_from(batch, p)
                 p += ENQUEUED_S.size
                 if has_msg:
                     mode, expiration, h0, h1, nx, nr, nh, nb = MESSAGE_S.unpack_from(batch, p)
                     p += MESSAGE_S.size
-                    ex = batch[p : p + nx].decode()
+                    ex_b = batch[p : p + nx]
                     p += nx
-                    rk = batch[p : p + nr].decode()
+                    rk_b = batch[p : p + nr]
                     p += nr
                     header = batch[p : p + nh]
                     p += nh
@@ -140,10 +153,10 @@ class Replication:
                     p += nb
                     if p > end:
                         raise InvariantError("change batch: a message overruns the batch")
-                    msg = new[mid] = Message(
+                    msg = new[mid] = Message.encoded(
                         mid,
-                        ex,
-                        rk,
+                        ex_b,
+                        rk_b,
                         header,
                         body,
                         mode,
@@ -164,7 +177,11 @@ class Replication:
                 _, ref, mid = ref_id(batch, p)
                 p += 13
                 q, index = refs[ref]
-                e = index[mid]
+                e = index.get(mid)
+                if e is None:
+                    if self.catching_up:
+                        continue
+                    raise KeyError(mid)
                 # What closing the consumer's channel would do (module docstring).
                 e.redelivered = True
                 if q.quorum:
@@ -172,7 +189,11 @@ class Replication:
             elif kind == REQUEUED:
                 _, ref, mid, redelivered, count = REQUEUED_S.unpack_from(batch, p)
                 p += REQUEUED_S.size
-                e = refs[ref][1][mid]
+                e = refs[ref][1].get(mid)
+                if e is None:
+                    if self.catching_up:
+                        continue
+                    raise KeyError(mid)
                 e.redelivered = bool(redelivered)
                 e.delivery_count = count
             elif kind == NAME_KIND:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from typing import Any
 
 from cpgbroker.errors import InvariantError
@@ -41,6 +41,7 @@ from cpgbroker.model.entities import (
     Entry,
     Message,
     PendingPublish,
+    PriorityMessages,
     Queue,
     TxAck,
     TxNack,
@@ -116,7 +117,7 @@ NOT_REPLICATED = {
     "Admin": {"local_member"},
     "ResourceOps": {"answering"},
     # Derived (model/replica.py): a backup's index of messages by id, rebuilt when missing.
-    "Replication": {"_index"},
+    "Replication": {"_index", "catching_up", "released"},
     # A hot-standby primary's change log (model/changes.py): where records go, not state.
     "Broker": {"_changes"},
 }
@@ -130,7 +131,9 @@ NOT_REPLICATED = {
 CHUNK = 1000
 
 
-def parts(b: Broker, chunk: int = CHUNK) -> Iterator[Any]:
+def parts(
+    b: Broker, chunk: int = CHUNK, gone: Callable[[Queue], Container[int]] | None = None
+) -> Iterator[Any]:
     """The snapshot as a sequence of small plain-value parts, in a fixed order:
 
     ``{"format", ...head}``, then per queue ``["queue", index, meta]`` followed by its ready
@@ -141,6 +144,13 @@ def parts(b: Broker, chunk: int = CHUNK) -> Iterator[Any]:
     consumers still reference); a message shared by several queues travels once, with the
     first part that references it. It walks the live state: consume it to the end before the
     broker applies another event (the updater's forked child and the digest do).
+
+    ``gone`` (a hot-standby replica's state update, runtime/update.py): each queue's messages
+    go from its back, as ``["entries_back", index, new_messages, entries]`` chunks that the
+    receiver puts in front of those it has, leaving out the ids ``gone(queue)`` names as it is
+    about to send each chunk: messages consumed since the snapshot's point, which the receiver
+    drops as it replays the stream from that point anyway. So the transfer shrinks while
+    consumers eat the front of a queue, instead of chasing them.
     """
     queues: list[Queue] = []
     qindex: dict[int, int] = {}
@@ -182,9 +192,15 @@ def parts(b: Broker, chunk: int = CHUNK) -> Iterator[Any]:
             return [m.id, e.redelivered, e.expires_at, e.delivery_count]
         return [m.id, e.redelivered, e.expires_at]
 
-    yield _head(b, queues)
+    head = _head(b, queues)
+    if gone is not None:
+        head["from_back"] = True  # (the receiver recounts bytes: ``Restorer.from_back``)
+    yield head
     for i, q in enumerate(queues):
         yield ["queue", i, _queue(q)]
+        if gone is not None:
+            yield from _from_the_back(q, i, chunk, gone, entry)
+            continue
         # One pass over the queue (every consumer of these parts runs to the end without
         # applying events in between): slicing again from the start for every chunk walked
         # a priority queue's generator, or a deque, quadratically.
@@ -282,6 +298,28 @@ def restore_message(row: list[Any]) -> Message:
     """A message from its snapshot row (``[id, exchange, routing key, header, body,
     delivery mode, expiration]``)."""
     return _restore_message(row)
+
+
+def _from_the_back(
+    q: Queue,
+    i: int,
+    chunk: int,
+    gone: Callable[[Queue], Container[int]],
+    entry: Callable[[Entry, list[Any]], list[Any]],
+) -> Iterator[Any]:
+    """``q``'s messages as ``entries_back`` parts (``parts``, ``gone``)."""
+    msgs = q.messages
+    # reversed() walks a deque without copying it; a priority queue's bands are walked once.
+    back = reversed(list(msgs)) if isinstance(msgs, PriorityMessages) else reversed(msgs)
+    while True:
+        taken = list(itertools.islice(back, chunk))
+        if not taken:
+            return
+        skip = gone(q)
+        new: list[Any] = []
+        entries = [entry(e, new) for e in reversed(taken) if e.msg.id not in skip]
+        if entries:
+            yield ["entries_back", i, new, entries]
 
 
 def _head(b: Broker, queues: list[Queue]) -> dict[str, Any]:
@@ -567,6 +605,9 @@ class Restorer:
         self.flow_paused: dict[int, list[int]] = {}
         self.parts = 0
         self.messages = 0  # ready and unacked entries restored so far (progress)
+        # Messages came from the back, some left out (``parts``, ``gone``): the byte counts
+        # the head and the queues carry are recounted from what arrived.
+        self.from_back = False
 
     def feed(self, part: Any) -> None:
         self.parts += 1
@@ -575,6 +616,7 @@ class Restorer:
                 got = part.get("format") if isinstance(part, dict) else type(part).__name__
                 raise InvariantError(f"snapshot format {got} is not {SNAPSHOT_FORMAT}")
             self._head(part)
+            self.from_back = bool(part.get("from_back"))
             return
         if self.tail is not None:
             raise InvariantError("snapshot part after the tail")
@@ -585,6 +627,15 @@ class Restorer:
             msgs = self.msgs
             q.messages.extend(Entry(msgs[r[0]], *r[1:]) for r in part[3])
             self.messages += len(part[3])
+        elif kind == "entries_back":
+            # A replica's update from the back of each queue (``parts``, ``gone``).
+            self._messages(part[2])
+            q = self.queues[part[1]]
+            msgs = self.msgs
+            front = [Entry(msgs[r[0]], *r[1:]) for r in part[3]]
+            for e in reversed(front):
+                q.messages.appendleft(e)
+            self.messages += len(front)
         elif kind == "queue":
             self._queue(part[1], part[2])
         elif kind == "vhost":
@@ -611,6 +662,11 @@ class Restorer:
         for i, ids in self.flow_paused.items():
             # Connections leave every queue's list when they close: all are there.
             queues[i].flow_paused = {c: b.connections[c] for c in ids}
+        if self.from_back:
+            # (A replica: every message of a queue, out with a consumer or not, is in it.)
+            for q in queues:
+                q.ready_bytes = sum(len(e.msg.body) for e in q.messages)
+            b.mark.queued_bytes = sum(q.ready_bytes for q in queues if not q.deleted)
         b.flow.restore(queues)
         b.topology.restore(
             self.vhosts,

@@ -668,8 +668,18 @@ class ClusterNode:
         mark.seq = 0
         if type(e) is ClientConnected and e.member != self.member:
             broker.set_emit(e.conn, False)
-        elif shipping is not None and sender == self.member:
-            shipping.delivered_back(broker.event_seq)
+        elif shipping is not None:
+            if sender == self.member:
+                shipping.delivered_back(broker.event_seq)
+            released = broker.replication.released
+            if released is not None:
+                # A state update from the back of the queues is being sent: tell it what
+                # consumers took (runtime/update.py).
+                if released:
+                    self.updater.feed(released)
+                    released.clear()
+                if not self.updater.feeding:
+                    broker.replication.released = None
         self._after_apply(e, sender)
 
     def _after_apply(self, e: Any, sender: int, failed: bool = False) -> None:
@@ -918,12 +928,24 @@ class ClusterNode:
             # point (if we leave instead, the newcomer asks another member).
             self.stall.hold(DeferredUpdate(e, members), e.member)
             return
-        self.updater.fork(e, members, self.broker)
+        self._fork_update(e, members)
+
+    def _fork_update(self, e: UpdateRequest, members: list[list[Any]]) -> None:
+        """Send our state to the newcomer ``e`` names; a replica (shipping changes) sends
+        each queue from its back and leaves out what consumers take meanwhile."""
+        lifo = self.shipping is not None
+        self.updater.fork(e, members, self.broker, lifo)
+        if lifo:
+            self.broker.replication.released = []
 
     def _install(self, broker: Broker, members: list[list[Any]]) -> None:
         """The newcomer installs the state of its update point."""
         self.broker = broker
         broker.admin.local_member = self.member
+        if self.shipping is not None:
+            # The update left out what was consumed while it was sent: the replay finds
+            # records for messages it does not have (model/replica.py).
+            broker.replication.catching_up = True
         if self.store is not None:
             # Whatever the store held is older than what the cluster serves: replaced.
             self.store.replace(broker)
@@ -933,6 +955,7 @@ class ClusterNode:
     async def catch_up(self) -> None:
         """Replay what was delivered after the update point, then say we serve."""
         await self.newcomer.catch_up(self._replay)
+        self.broker.replication.catching_up = False
         self._act([SendHello(STATUS_READY)])
 
     # ------------------------------------------------------------------ error-check rounds
@@ -949,7 +972,7 @@ class ClusterNode:
         """One item kept while this member was held by an error-check round."""
         t = type(e)
         if t is DeferredUpdate:
-            self.updater.fork(e.request, e.members, self.broker)
+            self._fork_update(e.request, e.members)
         elif t is StopRequest:
             self._on_stop_request(e)
         else:

@@ -45,6 +45,7 @@ from cpgbroker.runtime.server import (
 )
 from cpgbroker.runtime.settings import ServerConfig, parse_listen
 from cpgbroker.runtime.storage import StoreLink
+from cpgbroker.runtime.updater import close_released
 
 log = logging.getLogger("cpgbroker.member")
 
@@ -60,6 +61,7 @@ async def reap_updaters(updates: dict[int, dict[str, Any]]) -> None:
                 done, status = pid, 0
             if done:
                 info = updates.pop(pid)
+                close_released(info)
                 code = os.waitstatus_to_exitcode(status)
                 (log.info if code == 0 else log.warning)(
                     "state update to member=%s finished exit=%s after %.1f s",

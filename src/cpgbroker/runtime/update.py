@@ -22,7 +22,9 @@ cluster's private network, as corosync's own ring is.
 Stream (after the 8-byte magic and the token): frames of ``u32 length`` + payload. The first
 payload is the preamble ``{"updater", "seq", "members"}``, then one payload per snapshot part
 (:func:`cpgbroker.model.snapshot.parts`, canonical encoding), then a zero-length frame and the
-SHA-256 of all part payloads — the model digest, which the newcomer checks.
+SHA-256 of all part payloads, which the newcomer checks (the model digest, but for a
+replica's update from the back of its queues, which leaves out what was consumed meanwhile:
+:class:`Released`).
 """
 
 from __future__ import annotations
@@ -74,14 +76,80 @@ def fork_updater(
     updater: int,
     newcomer: int,
     rate_limit: float = 0.0,
+    released: int = -1,
 ) -> int:
     """Fork a child that streams ``broker`` as it is now to the newcomer; returns its pid.
-    The parent continues at once."""
+    The parent continues at once. ``released`` (a hot-standby replica's update): the read
+    end of a pipe on which the parent writes what consumers took since (:class:`Released`);
+    the child then sends each queue from its back and leaves those out."""
     seq = broker.event_seq
+    gone = None if released < 0 else Released(released).gone
     return fork_child(
-        lambda: push_update(address, token, broker, members, updater, newcomer, seq, rate_limit),
+        lambda: push_update(
+            address, token, broker, members, updater, newcomer, seq, rate_limit, gone
+        ),
         f"state update to member {newcomer}",
+        keep=released,
     )
+
+
+class Released:
+    """The child's side of the pipe that says which messages consumers took since the fork:
+    frames of ``u16 length`` + ``snapshot.encode([[vhost, queue, [ids]], ...])``, each at most
+    ``PIPE_BUF`` bytes so that the parent's non-blocking writes are whole or nothing (a frame
+    the parent could not write is lost: the child then sends those messages, and the
+    newcomer's replay of the stream removes them, as it removes any consumed later)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        os.set_blocking(fd, False)
+        self.buf = bytearray()
+        self.ids: dict[tuple[str, str], set[int]] = {}
+        self.open = True
+
+    def gone(self, q: Any) -> set[int]:
+        self._drain()
+        return self.ids.get((q.vhost, q.name), _NONE)
+
+    def _drain(self) -> None:
+        while self.open:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                self.open = False  # the parent is gone (and the child dies with it)
+                break
+            self.buf += chunk
+        buf = self.buf
+        while len(buf) >= 2:
+            (n,) = _U16.unpack_from(buf)
+            if len(buf) < 2 + n:
+                break
+            for vhost, name, ids in snapshot.decode(bytes(buf[2 : 2 + n])):
+                self.ids.setdefault((vhost, name), set()).update(ids)
+            del buf[: 2 + n]
+
+
+_NONE: set[int] = set()
+_U16 = struct.Struct(">H")
+# Frames on the released pipe stay within PIPE_BUF: atomic non-blocking writes.
+RELEASED_FRAME = 4000
+
+
+def released_frames(released: list[tuple[str, str, int]]) -> list[bytes]:
+    """The parent's side of :class:`Released`: what consumers took, in whole frames."""
+    by_queue: dict[tuple[str, str], list[int]] = {}
+    for vhost, name, mid in released:
+        by_queue.setdefault((vhost, name), []).append(mid)
+    frames = []
+    for (vhost, name), ids in by_queue.items():
+        # An id takes at most 22 bytes encoded: chunks that keep every frame small.
+        step = max(1, (RELEASED_FRAME - 2 * len(vhost) - 2 * len(name) - 64) // 22)
+        for i in range(0, len(ids), step):
+            data = snapshot.encode([[vhost, name, ids[i : i + step]]])
+            frames.append(_U16.pack(len(data)) + data)
+    return frames
 
 
 def fork_child(work: Callable[[], None], what: str, keep: int = -1) -> int:
@@ -122,6 +190,7 @@ def push_update(
     newcomer: int,
     seq: int,
     rate_limit: float = 0.0,
+    gone: Callable[[Any], set[int]] | None = None,
 ) -> None:
     """Blocking: stream the snapshot to the newcomer (runs in the forked child)."""
     host, port = parse_listen(address)
@@ -142,7 +211,7 @@ def push_update(
         sent = 0
         nparts = 0
         next_report = t0 + PROGRESS_EVERY_S
-        for part in snapshot.parts(broker):
+        for part in snapshot.parts(broker, gone=gone):
             data = snapshot.encode(part)
             h.update(data)
             frame(data)

@@ -10,6 +10,7 @@ whether to serve a request: the member does, from the stream.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import signal
@@ -23,6 +24,19 @@ from cpgbroker.model.broker import Broker
 from cpgbroker.runtime import update
 
 log = logging.getLogger("cpgbroker.member")
+
+# The pipe that tells a child sending from the back what was consumed (Linux's
+# F_SETPIPE_SZ; the default is 64 KiB): room for the releases of a busy second.
+F_SETPIPE_SZ = 1031
+RELEASED_PIPE_BYTES = 2**20
+
+
+def close_released(info: dict[str, Any]) -> None:
+    """Close the write end of a transfer's released pipe, if it has one."""
+    w = info.pop("released", None)
+    if w is not None:
+        with contextlib.suppress(OSError):
+            os.close(w)
 
 
 @attrs.frozen
@@ -47,11 +61,25 @@ class Updater:
         self.rate_limit = rate_limit
         self.updates: dict[int, dict[str, Any]] = {} if updates is None else updates
 
-    def fork(self, e: UpdateRequest, members: list[list[Any]], broker: Broker) -> None:
-        """Stream ``broker`` as it is now, with the membership ``members``, to the newcomer."""
-        pid = update.fork_updater(
-            e.address, e.token, broker, members, self.me, e.member, self.rate_limit
-        )
+    def fork(
+        self, e: UpdateRequest, members: list[list[Any]], broker: Broker, lifo: bool = False
+    ) -> None:
+        """Stream ``broker`` as it is now, with the membership ``members``, to the newcomer.
+        ``lifo`` (a hot-standby replica): each queue from its back, leaving out what consumers
+        take meanwhile, which :meth:`feed` tells the child."""
+        r = w = -1
+        if lifo:
+            r, w = os.pipe()
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(w, F_SETPIPE_SZ, RELEASED_PIPE_BYTES)
+            os.set_blocking(w, False)
+        try:
+            pid = update.fork_updater(
+                e.address, e.token, broker, members, self.me, e.member, self.rate_limit, r
+            )
+        finally:
+            if r >= 0:
+                os.close(r)
         self.updates[pid] = {
             "incarnation": self.incarnation,
             "newcomer": e.member,
@@ -59,12 +87,37 @@ class Updater:
             "seq": broker.event_seq,
             "started": time.monotonic(),
         }
+        if w >= 0:
+            self.updates[pid]["released"] = w
         log.info(
             "sending a state update to member=%s seq=%s (child pid %s)",
             e.member,
             broker.event_seq,
             pid,
         )
+
+    @property
+    def feeding(self) -> bool:
+        """A child sends from the back of the queues and wants to know what was consumed."""
+        return any("released" in u for u in self.updates.values())
+
+    def feed(self, released: list[tuple[str, str, int]]) -> None:
+        """Tell every child sending from the back what consumers took (lossy: a frame the
+        pipe has no room for is dropped; that message is then sent, and removed again by the
+        newcomer's replay)."""
+        frames = update.released_frames(released)
+        for info in self.updates.values():
+            w = info.get("released")
+            if w is None:
+                continue
+            for frame in frames:
+                try:
+                    os.write(w, frame)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    close_released(info)  # the child is gone
+                    break
 
     def end(self) -> None:
         """This incarnation is over: its transfers are useless (each newcomer asks another
