@@ -549,3 +549,53 @@ def test_a_killed_member_loses_at_most_a_tick_of_its_event_log(brokers: BrokerSe
     # Ticks come every 100 ms: at most the one (or two, with the status read in between)
     # applied since the last flush are missing.
     assert last >= seen - 2, (last, seen)
+
+
+def _primary(bs: BrokerSet) -> int:
+    """The hot-standby primary, as member 1 names it."""
+    status = bs.status(1)
+    assert status is not None and status["primary_url"], status
+    port = status["primary_url"].rsplit(":", 1)[1].strip("/")
+    return next(n for n in (1, 2, 3) if bs.url(n).endswith(f":{port}/"))
+
+
+def test_hot_standby_shipping_changes_stores_what_it_confirms(
+    broker_set: Callable[..., BrokerSet],
+) -> None:
+    """``replication = "changes"`` with stores: every member journals the primary's change
+    batches, a persistent message's confirm waits for every store, and after kill -9 of
+    every member the cluster comes back from the stores with every confirmed message (and
+    without what a restart drops)."""
+    bs = broker_set(store=True, cluster_options='mode = "hot-standby"\nreplication = "changes"')
+    primary = _primary(bs)
+    queues = ["hs.q1", "hs.q2"]
+    c = connect(bs, primary)
+    _declare(c.channel(), queues)
+    c.close()
+    pubs = [_Publisher(bs, primary, queues[0]), _Publisher(bs, primary, queues[1], tx=True)]
+    cons = [_Consumer(bs, primary, queues[0])]
+    for t in [*pubs, *cons]:
+        t.start()
+    time.sleep(4)
+    for n in (1, 2, 3):
+        s = bs.status(n)
+        assert s is not None and s["store"]["durable_seq"] > 0, s
+    _kill_all(bs)
+    for t in [*pubs, *cons]:
+        t.stop.set()
+        t.join(15)
+    confirmed = {q: [b for p in pubs if p.queue == q for b in p.confirmed] for q in queues}
+    acked = {q: [b for k in cons if k.queue == q for b in k.acked] for q in queues}
+    assert sum(len(v) for v in confirmed.values()) > 100
+    _restart(bs, [3, 1, 2])
+    digest = bs.converged([1, 2, 3], timeout=30)
+    assert digest
+    primary = _primary(bs)
+    for q in queues:
+        got = [b for b, _r in _get_all(bs, primary, q)]
+        missing = set(confirmed[q]) - set(got) - set(acked[q])
+        assert not missing, f"{q}: {len(missing)} confirmed messages lost"
+    conn = connect(bs, primary)
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+        conn.channel().queue_declare("tmp.q", passive=True)
+    assert e.value.reply_code == 404

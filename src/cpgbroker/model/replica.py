@@ -51,6 +51,7 @@ NAME_KIND = 0
 HEAD_S = struct.Struct(">BQQB")  # format, msg_seq, now_ms, flags
 F_DEFINITIONS = 1  # the definitions follow the head
 F_CONFIRMS = 2  # a client waits for a confirm of this batch: report it at once
+F_DURABLE = 4  # ... a confirm that waits for every store: report it once it is stored
 LEN_S = struct.Struct(">I")
 NAMED_S = struct.Struct(">BIHH")  # kind, ref, vhost length, name length
 CREATED_S = struct.Struct(">BII")  # kind, ref, metadata length (then snapshot.encode of it)
@@ -231,8 +232,11 @@ class Replication:
             self._install(decode(defs))
         if flags & F_CONFIRMS:
             # A client of the primary waits for a confirm in this batch: reported as soon as
-            # this member applied it, as for another member's client in active-active.
+            # this member applied it (stored it: F_DURABLE), as for another member's client in
+            # active-active.
             b.out.shadow_confirms += 1
+            if flags & F_DURABLE:
+                b.out.shadow_durable_confirms += 1
 
     def _install(self, defs: list[Any]) -> None:
         """The primary's definitions replace this broker's, in place; queues keep their

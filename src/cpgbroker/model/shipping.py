@@ -37,6 +37,7 @@ from cpgbroker.model.replica import (
     ENQUEUED_S,
     F_CONFIRMS,
     F_DEFINITIONS,
+    F_DURABLE,
     HEAD_S,
     LEN_S,
     MESSAGE_S,
@@ -54,11 +55,17 @@ def encode_batch(
     now_ms: int,
     definitions: bytes | None,
     confirms: bool = False,
+    durable: bool = False,
 ) -> bytes:
     """One change batch: the primary's counters, its definitions if they changed (already
     encoded with ``snapshot.encode``), and the records of ``ChangeLog.take``; ``confirms``:
-    a client of the primary waits for a confirm that this batch makes good."""
-    flags = (F_DEFINITIONS if definitions is not None else 0) | (F_CONFIRMS if confirms else 0)
+    a client of the primary waits for a confirm that this batch makes good (``durable``:
+    one that waits for every member's store)."""
+    flags = (
+        (F_DEFINITIONS if definitions is not None else 0)
+        | (F_CONFIRMS if confirms else 0)
+        | (F_DURABLE if durable else 0)
+    )
     out = [HEAD_S.pack(BATCH_FORMAT, msg_seq, now_ms, flags)]
     if definitions is not None:
         out.append(LEN_S.pack(len(definitions)))
@@ -128,7 +135,7 @@ class Shipper:
     def __init__(self) -> None:
         self.shipped = b""
 
-    def batch(self, b: Broker, confirms: bool = False) -> bytes:
+    def batch(self, b: Broker, confirms: bool = False, durable: bool = False) -> bytes:
         log = b.changes
         if log is None:
             raise InvariantError("the broker records no changes")
@@ -140,7 +147,7 @@ class Shipper:
                 defs = None
             else:
                 self.shipped = defs
-        return encode_batch(records, b.msg_seq, b.now_ms, defs, confirms)
+        return encode_batch(records, b.msg_seq, b.now_ms, defs, confirms, durable)
 
 
 def messages(b: Broker) -> int:

@@ -235,7 +235,7 @@ class ClusterNode:
         if shipping is not None:
             shipping.io = self.io
             # A batch that output or an operator's answer waits for asks to be reported.
-            shipping.holding = lambda: bool(self.confirms.holding or self.desk.unsettled)
+            shipping.holding = self._holding
         # A sample of how long events take to apply (runtime/applytimes.py).
         self.apply_times = ApplyTimes()
         # Operators' changes: answered once as safe as a durable confirm.
@@ -408,17 +408,36 @@ class ClusterNode:
         self.progress.durable_reported = durable
         return codec.encode(Progress(self.member, seq, durable))
 
+    def _holding(self) -> tuple[bool, bool]:
+        """Shipping changes: whether output or an operator's answer waits for the batch being
+        cut, and whether any of it waits for every member's store."""
+        holding = bool(self.confirms.holding or self.desk.unsettled)
+        if not holding or self.store is None:
+            return holding, False
+        durable = bool(self.desk.unsettled) or any(
+            on_disk for lc in self.confirms.holding.values() for _s, _d, _r, on_disk in lc.held
+        )
+        return holding, durable
+
+    def _stable_batches(self) -> tuple[int, int]:
+        """Shipping changes: our last batch every ready member applied, and stored."""
+        assert self.shipping is not None
+        durable = None if self.store is None else self.durable_stable_seq()
+        return self.shipping.stable_batch(self.stable_seq(), durable)
+
     def _admin_settled(self) -> int:
         """The highest event whose changes an operator may be told are done (see desk);
         shipping changes: the highest of our batches."""
         if self.shipping is not None:
-            return self.shipping.stable_batch(self.stable_seq())
+            applied, stored = self._stable_batches()
+            return applied if self.store is None else stored
         return self.stable_seq() if self.store is None else self.durable_stable_seq()
 
     def _release_stable(self) -> None:
         if self.shipping is not None:
-            # Output waits for batches (runtime/shipping.py); no store in this mode.
-            self.confirms.release(self.shipping.stable_batch(self.stable_seq()), self.io)
+            # Output waits for batches (runtime/shipping.py).
+            applied, stored = self._stable_batches()
+            self.confirms.release(applied, self.io, None if self.store is None else stored)
         else:
             self.confirms.release(
                 self.stable_seq(),
@@ -628,13 +647,13 @@ class ClusterNode:
         explain (the same event applies cleanly elsewhere, or everywhere fails alike): the
         cluster decides in an error-check round."""
         shipping = self.shipping
-        if shipping is not None and type(e) is not Changes:
-            # Shipping changes, the stream broker takes nothing but the primary's batches
-            # (the membership's events go to the serving broker, if any); every member
-            # decides so alike.
+        if shipping is not None and type(e) is not Changes and type(e) is not Recovered:
+            # Shipping changes, the stream broker takes nothing but the primary's batches and
+            # what a restart from the stores drops (the membership's events go to the serving
+            # broker, if any); every member decides so alike.
             shipping.on_stream(e)
             return
-        if shipping is not None:
+        if shipping is not None and type(e) is Changes:
             primary = primary_of(self.membership)
             if primary is None or sender != primary.member:
                 log.warning("a change batch from member %s, which is not primary: dropped", sender)

@@ -407,11 +407,6 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
     store = _store(dict(data["store"])) if "store" in data else None
     if store is not None and cluster is None:
         raise ConfigError("[store] needs [cluster]: the store records a cluster member's stream")
-    if store is not None and cluster is not None and cluster.replication == "changes":
-        raise ConfigError(
-            'cluster.replication = "changes" does not store change batches yet: a [store] '
-            'needs replication = "bytes"'
-        )
     admin_listen = str(server.get("admin", ""))
     if admin_listen:
         parse_listen(admin_listen)

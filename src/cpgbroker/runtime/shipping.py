@@ -88,8 +88,9 @@ class Shipping:
         self.delivered = 0
         self._unstable: collections.deque[tuple[int, int]] = collections.deque()
         self.stable = 0
-        # Output waits on this (ConfirmGate.holding): read when a batch is cut.
-        self.holding: Callable[[], bool] = lambda: False
+        # Whether output or an answer waits for the batch being cut, and whether any of it
+        # waits for every member's store: read when a batch is cut.
+        self.holding: Callable[[], tuple[bool, bool]] = lambda: (False, False)
 
     @property
     def active(self) -> bool:
@@ -130,10 +131,10 @@ class Shipping:
             return
         log_ = b.changes
         assert log_ is not None
-        holding = self.holding()
+        holding, durable = self.holding()
         if not (log_.records or log_.structural or holding):
             return
-        batch = self._shipper.batch(b, confirms=holding)
+        batch = self._shipper.batch(b, confirms=holding, durable=durable)
         self.shipped += 1
         self._send(Changes(batch))
 
@@ -148,12 +149,19 @@ class Shipping:
         self.delivered += 1
         self._unstable.append((self.delivered, seq))
 
-    def stable_batch(self, stable_seq: int) -> int:
-        """The last of our batches applied by every ready member, given the stable event."""
+    def stable_batch(self, stable_seq: int, durable_seq: int | None = None) -> tuple[int, int]:
+        """The last of our batches applied by every ready member, given the stable event, and
+        the last one every member's store holds (``durable_seq``; None: no store)."""
         unstable = self._unstable
-        while unstable and unstable[0][1] <= stable_seq:
+        low = stable_seq if durable_seq is None else min(stable_seq, durable_seq)
+        while unstable and unstable[0][1] <= low:
             self.stable = unstable.popleft()[0]
-        return self.stable
+        applied = self.stable
+        for batch, seq in unstable:
+            if seq > stable_seq:
+                break
+            applied = batch
+        return applied, self.stable
 
     # ------------------------------------------------------------------ role
 

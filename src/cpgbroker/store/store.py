@@ -235,6 +235,9 @@ class Store:
             "stopped cleanly" if m.state == meta.CLEAN else "not stopped cleanly",
         )
         p.phase = "replaying"
+        # A hot-standby replica's base may come from an update that left out messages
+        # consumed while it was sent (model/replica.py): their records are skipped again.
+        broker.replication.catching_up = True
         scan = read_journal(disk, self.dir, m.base_seq)
         next_report = t0 + PROGRESS_EVERY_S
         fail_text = "internal error while processing this connection"
@@ -261,6 +264,7 @@ class Store:
                     p.journal_bytes / 2**20,
                     left,
                 )
+        broker.replication.catching_up = False
         torn = getattr(scan, "torn", None)
         if torn:
             log.warning(
