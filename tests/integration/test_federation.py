@@ -1046,3 +1046,40 @@ def test_a_pushing_link_sends_local_publishes_upstream_without_loss_or_loops(
     state = own_state(remote, 1, "px")
     assert state["pushed"] >= len(sent), state
     assert state.get("dropped_loops", 0) >= len(set(there)), state
+
+
+def test_a_hot_standby_cluster_shipping_changes_runs_its_links_on_the_primary(
+    broker_set: Callable[..., BrokerSet], cluster: DevCluster
+) -> None:
+    """A downstream cluster in hot standby with ``replication = "changes"`` (one member,
+    its primary): the link runs there against the serving broker, and what the upstream's
+    publishers send arrives once each at the downstream's queue."""
+    central = broker_set(extra_config=config("central"))
+    group = f"r{uuid.uuid4().hex[:10]}"
+    remote = OneMemberSet(
+        cluster,
+        group=group,
+        name=f"broker-{group}",
+        extra_config=config("remote"),
+        cluster_options='mode = "hot-standby"\nreplication = "changes"',
+    )
+    try:
+        remote.start_all()
+        declare(central, "orders", "direct", {})
+        declare(remote, "orders", "direct", {"r.orders": ["new"]})
+        federate(remote, "orders", "central", all_uris(central))
+        wait_running(remote, "orders")
+        wait_upstream_keys(central, "orders", ["new"])
+        ch = connect(central, 2).channel()
+        ch.confirm_delivery()
+        sent = [b"order-%d" % i for i in range(50)]
+        for body in sent:
+            ch.basic_publish("orders", "new", body)
+        got = Collector(remote, 1, ["r.orders"])
+        got.until("every order at the remote", lambda: len(got.got["r.orders"]) >= len(sent))
+        got.settle(0.5)
+        assert got.got["r.orders"] == sent
+        wait_for("every order counted", lambda: forwarded(remote, 1, "orders") == len(sent))
+    finally:
+        remote.stop_all()
+        print(f"--- remote broker log\n{remote.tail(1, 40)}")

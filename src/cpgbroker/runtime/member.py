@@ -256,11 +256,20 @@ class ClusterNode:
             # restarts, unlike member ids: the upstream queue must keep its name).
             config.broker.server_id or cluster.group,
             self.desk,
-            lambda: self.broker,
-            lambda: self.membership.ready_members,
-            lambda: self.serving and self.stops.halted is None,
+            # Shipping changes, the primary runs every link, against its serving broker (its
+            # operators' changes and the messages links bring in are applied there).
+            lambda: self.view,
+            (lambda: self.membership.ready_members)
+            if shipping is None
+            else (lambda: [self.member]),
+            (lambda: self.serving and self.stops.halted is None)
+            if shipping is None
+            else (lambda: self.serving and self.stops.halted is None and shipping.active),
             client_context(config.tls),
         )
+        if shipping is not None:
+            # A push queue grows as the serving broker applies its clients' publishes.
+            shipping.on_cut = self.federation.applied
         # Hot standby: who takes clients (runtime/standby.py); None: every member does.
         self.standby = (
             HotStandby(member, lambda: self.membership, lambda: self.serving)

@@ -387,11 +387,6 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
                 "cluster.replicate chooses what a hot-standby primary ships: it needs "
                 'replication = "changes"'
             )
-        if cluster.replication == "changes" and upstreams:
-            raise ConfigError(
-                'cluster.replication = "changes" does not run federation links yet '
-                '([[upstreams]]): use replication = "bytes"'
-            )
         if cluster.checkpoint_every < 1:
             raise ConfigError("cluster.checkpoint_every must be at least 1")
         if cluster.watchdog_timeout < 0:

@@ -88,6 +88,8 @@ class Shipping:
         self.delivered = 0
         self._unstable: collections.deque[tuple[int, int]] = collections.deque()
         self.stable = 0
+        # Called after each batch is cut (the federation links' push queues may have grown).
+        self.on_cut: Callable[[], None] = lambda: None
         # Whether output or an answer waits for the batch being cut, and whether any of it
         # waits for every member's store: read when a batch is cut.
         self.holding: Callable[[], tuple[bool, bool]] = lambda: (False, False)
@@ -137,6 +139,7 @@ class Shipping:
         batch = self._shipper.batch(b, confirms=holding, durable=durable)
         self.shipped += 1
         self._send(Changes(batch))
+        self.on_cut()
 
     def batch_number(self) -> int:
         """The batch that will carry what is being applied now (what held output waits for)."""
