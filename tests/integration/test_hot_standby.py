@@ -51,6 +51,23 @@ def the_primary(bs: BrokerSet, nodes: list[int]) -> int:
     return node
 
 
+def until_confirmed(pub: ConfirmingPublisher, n: int, seconds: float, what: str) -> None:
+    """Wait until ``pub`` has ``n`` confirms (failing with ``what`` after ``seconds``)."""
+    deadline = time.monotonic() + seconds
+    while len(pub.confirmed) < n:
+        assert pub.error is None, pub.error
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def kill_under_load(bs: BrokerSet, pub: ConfirmingPublisher, primary: int, more: int) -> float:
+    """Kill -9 the primary under ``pub``; seconds until ``more`` further confirms came."""
+    bs.kill(primary)
+    killed_at = time.monotonic()
+    until_confirmed(pub, len(pub.confirmed) + more, 60, "publishing did not resume after the kill")
+    return time.monotonic() - killed_at
+
+
 def test_clients_reach_the_primary_and_survive_its_kill_and_it_comes_back_a_backup(
     broker_set: Callable[..., BrokerSet],
 ) -> None:
@@ -111,18 +128,8 @@ def test_clients_reach_the_primary_and_survive_its_kill_and_it_comes_back_a_back
     # Under a confirmed publisher that tries the members in turn, kill -9 the primary.
     pub = ConfirmingPublisher(bs, [*backups, primary], "hs.q")
     pub.start()
-    deadline = time.monotonic() + 30
-    while len(pub.confirmed) < 300:
-        assert pub.error is None, pub.error
-        assert time.monotonic() < deadline, "the publisher never got going"
-        time.sleep(0.05)
-    bs.kill(primary)
-    killed_at, before = time.monotonic(), len(pub.confirmed)
-    while len(pub.confirmed) < before + 300:
-        assert pub.error is None, pub.error
-        assert time.monotonic() < killed_at + 60, "publishing did not resume after the kill"
-        time.sleep(0.05)
-    resumed = time.monotonic() - killed_at
+    until_confirmed(pub, 300, 30, "the publisher never got going")
+    resumed = kill_under_load(bs, pub, primary, 300)
     confirmed = pub.stop()
     new_primary = the_primary(bs, backups)
     assert new_primary in backups
@@ -161,11 +168,7 @@ def test_shipping_changes_backups_take_over_with_every_confirmed_message(
     conn.close()
     pub = ConfirmingPublisher(bs, [*backups, primary], "ship.q")
     pub.start()
-    deadline = time.monotonic() + 30
-    while len(pub.confirmed) < 500:
-        assert pub.error is None, pub.error
-        assert time.monotonic() < deadline, "the publisher never got going"
-        time.sleep(0.05)
+    until_confirmed(pub, 500, 30, "the publisher never got going")
     # The backups hold the queue and its messages, not the primary's connections, nor the
     # exclusive queue (it dies with its connection, which dies with the primary).
     for n in backups:
@@ -173,13 +176,7 @@ def test_shipping_changes_backups_take_over_with_every_confirmed_message(
         assert s is not None and s["connections"] == {"local": 0, "shadow": 0}, s
         assert s["queues"]["/:ship.q"]["ready"] > 0, s
         assert "/:ship.rpc" not in s["queues"], s
-    bs.kill(primary)
-    killed_at, before = time.monotonic(), len(pub.confirmed)
-    while len(pub.confirmed) < before + 500:
-        assert pub.error is None, pub.error
-        assert time.monotonic() < killed_at + 60, "publishing did not resume after the kill"
-        time.sleep(0.05)
-    resumed = time.monotonic() - killed_at
+    resumed = kill_under_load(bs, pub, primary, 500)
     confirmed = pub.stop()
     new_primary = the_primary(bs, backups)
     print(f"hot standby shipping changes: served again {resumed:.1f} s after the kill")
