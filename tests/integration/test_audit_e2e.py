@@ -231,3 +231,59 @@ def test_a_run_with_a_killed_member_audits_green(
         assert p["kind"] == "partial-tail" and p["file"] == str(brokers.event_log_path(3))
     assert (out / "report.html").exists()
     assert "step 12/12" in proc.stderr  # progress was shown
+
+
+def test_a_hot_standby_run_shipping_changes_audits_green(
+    broker_set: Callable[..., BrokerSet], cluster: DevCluster, tmp_path: Path
+) -> None:
+    """The same audit of a hot-standby cluster shipping state changes whose primary is
+    killed: its members log change batches, not client events, and the audit's checks (the
+    replicas' digests, the members' common order, every confirmed message delivered once)
+    hold all the same; every client fails over to the new primary."""
+    require_spark()
+    brokers = broker_set(cluster_options='mode = "hot-standby"\nreplication = "changes"')
+    status = brokers.status(1)
+    assert status is not None
+    port = status["primary_url"].rsplit(":", 1)[1].strip("/")
+    primary = next(n for n in (1, 2, 3) if brokers.url(n).endswith(f":{port}/"))
+    backup = next(n for n in (1, 2, 3) if n != primary)
+    started = time.time_ns()
+    histories = tmp_path / "histories"
+    histories.mkdir()
+    traffic = Traffic(brokers, histories)
+    # Every client tries the primary first; the backups would turn it away.
+    for i in (1, 2):
+        traffic.producer(i, node=primary)
+        traffic.consumer(i, node=primary)
+    try:
+        _wait_events(brokers, backup, EVENTS_BEFORE_KILL, timeout=120)
+        cluster.record_fault("kill-broker", primary, url=brokers.url(primary))
+        brokers.kill(primary)
+        at_kill = brokers.status(backup)
+        assert at_kill is not None
+        _wait_events(brokers, backup, at_kill["event_seq"] + EVENTS_AFTER_KILL, timeout=120)
+    finally:
+        traffic.stop_publishing.set()
+    traffic.join(traffic.producers, 30)
+    deadline = time.monotonic() + 60
+    while not traffic.drained():
+        assert time.monotonic() < deadline, "confirmed messages were not all consumed"
+        time.sleep(0.2)
+    traffic.stop_consuming.set()
+    traffic.join(traffic.consumers, 30)
+    assert not traffic.errors, traffic.errors
+    with traffic.lock:
+        assert len(traffic.confirmed) > 1000
+    brokers.stop_all()
+
+    proc, verdict = run_audit(brokers, histories, started, tmp_path, timeout=900)
+    assert proc.returncode == 0, (proc.stderr[-3000:], json.dumps(verdict["checks"], indent=1))
+    checks = verdict["checks"]
+    assert all(c["status"] == "pass" for c in checks.values()), checks
+    assert checks["replica_consistency"]["compared"] >= 1
+    assert len(checks["total_order"]["members"]) == 3
+    perf = verdict["performance"]
+    assert perf["confirmed"] >= len(traffic.confirmed)
+    assert perf["delivered"] >= perf["confirmed"]
+    gaps = perf["failover"]
+    assert {g["client"] for g in gaps} == {"producer-1", "producer-2", "consumer-1", "consumer-2"}
