@@ -155,6 +155,24 @@ class Traffic:
         with self.lock:
             return self.confirmed <= self.consumed
 
+    def finish(self, brokers: BrokerSet) -> None:
+        """Publishing was told to stop: wait until every confirmed message is consumed, stop
+        the consumers, check the clients met no error, and stop the brokers (the members
+        flush their event logs)."""
+        # Only once no publish is in flight does "every confirmed message consumed" mean
+        # drained.
+        self.join(self.producers, 30)
+        deadline = time.monotonic() + 60
+        while not self.drained():
+            assert time.monotonic() < deadline, "confirmed messages were not all consumed"
+            time.sleep(0.2)
+        self.stop_consuming.set()
+        self.join(self.consumers, 30)
+        assert not self.errors, self.errors
+        with self.lock:
+            assert len(self.confirmed) > 1000
+        brokers.stop_all()
+
     @staticmethod
     def join(threads: list[threading.Thread], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -195,18 +213,7 @@ def test_a_run_with_a_killed_member_audits_green(
         _wait_events(brokers, 1, at_kill["event_seq"] + EVENTS_AFTER_KILL, timeout=90)
     finally:
         traffic.stop_publishing.set()
-    # Only once no publish is in flight does "every confirmed message consumed" mean drained.
-    traffic.join(traffic.producers, 30)
-    deadline = time.monotonic() + 60
-    while not traffic.drained():
-        assert time.monotonic() < deadline, "confirmed messages were not all consumed"
-        time.sleep(0.2)
-    traffic.stop_consuming.set()
-    traffic.join(traffic.consumers, 30)
-    assert not traffic.errors, traffic.errors
-    with traffic.lock:
-        assert len(traffic.confirmed) > 1000
-    brokers.stop_all()  # the survivors flush their event logs
+    traffic.finish(brokers)
 
     # The fault log of this test only (the dev cluster is shared by the session's tests).
     out = tmp_path / "audit"
@@ -264,17 +271,7 @@ def test_a_hot_standby_run_shipping_changes_audits_green(
         _wait_events(brokers, backup, at_kill["event_seq"] + EVENTS_AFTER_KILL, timeout=120)
     finally:
         traffic.stop_publishing.set()
-    traffic.join(traffic.producers, 30)
-    deadline = time.monotonic() + 60
-    while not traffic.drained():
-        assert time.monotonic() < deadline, "confirmed messages were not all consumed"
-        time.sleep(0.2)
-    traffic.stop_consuming.set()
-    traffic.join(traffic.consumers, 30)
-    assert not traffic.errors, traffic.errors
-    with traffic.lock:
-        assert len(traffic.confirmed) > 1000
-    brokers.stop_all()
+    traffic.finish(brokers)
 
     proc, verdict = run_audit(brokers, histories, started, tmp_path, timeout=900)
     assert proc.returncode == 0, (proc.stderr[-3000:], json.dumps(verdict["checks"], indent=1))

@@ -214,14 +214,17 @@ def test_shipping_changes_a_backup_catches_up_from_the_back_while_a_consumer_eat
     stop = threading.Event()
 
     def consume() -> None:
+        # Acks, not auto-ack: what the client holds unprocessed when it stops goes back to
+        # the queue (an auto-ack consumer would drop it).
         c = connect(bs, primary)
         cch = c.channel()
         cch.basic_qos(prefetch_count=200)
-        for _m, _p, body in cch.consume("deep", auto_ack=True, inactivity_timeout=0.5):
-            if body is not None:
-                consumed.append(body[:7])
+        for m, _p, body in cch.consume("deep", inactivity_timeout=0.5):
             if stop.is_set():
                 break
+            if m is not None:
+                consumed.append(body[:7])
+                cch.basic_ack(m.delivery_tag)
         cch.cancel()
         c.close()
 
