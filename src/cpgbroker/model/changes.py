@@ -26,10 +26,10 @@ record         when
 Records name the queue object itself; the encoder turns it into a name valid at that point
 of the batch (a queue deleted and declared again in one batch is two queues). The rest of the
 definitions is not recorded change by change: the model marks the log ``structural`` when an
-event may have changed them (a method of the exchange or queue class, a first consume, a queue
-deleted, any event but client data, do-output and ticks), and the runtime then ships the
-definitions whole if they differ from the last shipped (``model/replica.py``). Definitions
-change rarely; messages change with every publish.
+event may have changed them (a method of the exchange class, a queue bound or unbound, a first
+consume, a queue that ships declared, any queue deleted, any event but client data, do-output
+and ticks), and the runtime then ships the definitions whole if they differ from the last
+shipped (``model/shipping.py``). Definitions change rarely; messages change with every publish.
 
 What is shipped is chosen here, by :attr:`replicate`:
 
@@ -105,9 +105,12 @@ class ChangeLog:
     # ------------------------------------------------------------------ told by the model
 
     def created(self, q: Queue) -> None:
-        self.structural = True
-        if ships_queue(q) and self.replicate != "definitions":
-            self.records.append((CREATED, q))
+        # (A queue that never ships is not in the definitions either: an RPC client's reply
+        # queue costs no look at them.)
+        if ships_queue(q):
+            self.structural = True
+            if self.replicate != "definitions":
+                self.records.append((CREATED, q))
 
     def enqueued(self, q: Queue, e: Entry) -> None:
         if self._ships(q, e):

@@ -386,17 +386,16 @@ _FAST = frozenset(
 _NOT_IMPLEMENTED: frozenset[int] = frozenset()
 
 # Methods that may change the definitions a hot-standby primary ships (model/changes.py);
-# deleting a queue, whatever the cause, says so itself (``ChangeLog.deleted``).
+# declaring a queue that ships and deleting any queue, whatever the cause, say so themselves
+# (``ChangeLog.created``, ``ChangeLog.deleted``).
 _STRUCTURAL = frozenset(
     {
         commands.Exchange.Declare.index,
         commands.Exchange.Delete.index,
         commands.Exchange.Bind.index,
         commands.Exchange.Unbind.index,
-        commands.Queue.Declare.index,
         commands.Queue.Bind.index,
         commands.Queue.Unbind.index,
-        commands.Queue.Delete.index,
         # A queue's first consumer marks it (``had_consumers``: auto-delete from then on).
         commands.Basic.Consume.index,
     }

@@ -71,7 +71,6 @@ __all__ = [
     "queue_from_meta",
     "queue_meta",
     "restore",
-    "restore_message",
     "snapshot",
 ]
 
@@ -292,12 +291,6 @@ def queue_meta(q: Queue) -> dict[str, Any]:
     meta.update(_VOLATILE_QUEUE)
     meta.pop("flow_paused", None)
     return meta
-
-
-def restore_message(row: list[Any]) -> Message:
-    """A message from its snapshot row (``[id, exchange, routing key, header, body,
-    delivery mode, expiration]``)."""
-    return _restore_message(row)
 
 
 def _from_the_back(
