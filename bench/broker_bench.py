@@ -285,7 +285,8 @@ def run_ours_cluster(
             urls = [brokers.url(n) for n in (1, 2, 3) if roles[n] == "primary"]
             out["roles"] = {f"member{n}": r for n, r in roles.items()}
         try:
-            for name in names or list(CLUSTER):
+            order = names or list(CLUSTER)
+            for name in order:
                 args = CLUSTER[name]
                 if store:
                     # Persistent messages on a durable queue: what the stores must keep (a
@@ -293,7 +294,8 @@ def run_ours_cluster(
                     args = [*args, "--persistent"]
                 before = store_counters(brokers) if store else {}
                 profilers = []
-                if name == "q_1p1c_1K_confirm" and _pyspy():
+                # The first configuration measured is profiled (py-spy slows what it samples).
+                if name == order[0] and _pyspy():
                     profilers = profile_members(pids, secs - 2)
                 cpu_before = cpu_seconds(pids)
                 raw = [load(shared, urls, pids, args, secs) for _ in range(repeat)]

@@ -332,7 +332,10 @@ def test_an_update_from_the_back_without_what_was_consumed_since_converges(seed:
     straight = Broker()
     for batch in batches[:cut]:
         straight.apply(Changes(batch))
-    at_cut = snapshot.restore(snapshot.snapshot(straight))
+    # A replica of its own at the update's point: its queue fronts go too.
+    at_cut = Broker()
+    for batch in batches[:cut]:
+        at_cut.apply(Changes(batch))
     # What consumers take after the update's point, as the updater learns it.
     straight.replication.released = []
     for batch in batches[cut:]:
@@ -350,7 +353,7 @@ def test_an_update_from_the_back_without_what_was_consumed_since_converges(seed:
         for (vhost, name), ids in taken.items()
         for q in [at_cut.vhosts.get(vhost, None) and at_cut.vhosts[vhost].queues.get(name)]
         if q is not None
-        for e in q.messages
+        for e in at_cut.replication.in_order(q)
         if e.msg.id in ids
     )
     newcomer = snapshot.restore(parts)
@@ -376,3 +379,65 @@ def test_records_for_messages_that_are_not_there_are_a_divergence() -> None:
     lost.vhosts["/"].queues["work"].messages.clear()
     lost.replication.catching_up = True
     lost.apply(Changes(batch))
+
+
+def test_messages_out_with_consumers_are_unacked_on_a_backup_and_settle_in_any_order() -> None:
+    """What the primary's consumers hold is, on a backup, the front of its queue: counted
+    unacked as on the primary, settled in whatever order the consumers ack, and still in
+    queue order for a snapshot and a promotion."""
+    p = Primary()
+    p.c.rpc(1, C.Queue.Declare(queue="work"))
+    for i in range(12):
+        p.c.publish(1, "", "work", b"m%d" % i)
+    consumers = [p.client(10 + n) for n in range(3)]
+    for c in consumers:
+        c.send(1, C.Basic.Qos(prefetch_count=3))
+        c.send(1, C.Basic.Consume(queue="work"))
+    tags = [[m.delivery_tag for m, _ in c.deliveries()] for c in consumers]
+    p.ship()
+    work = p.view.broker.vhosts["/"].queues["work"]
+    primary_work = p.h.broker.vhosts["/"].queues["work"]
+    assert work.unacked == primary_work.unacked == 9
+    assert len(work.messages) == len(primary_work.messages) == 3
+    # Acks from the last consumer first, each consumer's newest first: all out of order.
+    for c, ts in reversed(list(zip(consumers, tags, strict=True))):
+        c.send(1, C.Basic.Ack(delivery_tag=ts[-1]))
+    p.ship()
+    assert work.unacked == primary_work.unacked
+    # A member restored from this replica (a state update) digests alike, and stays alike.
+    copy = Replica()
+    copy.broker = snapshot.restore(snapshot.snapshot(p.view.broker))
+    assert copy.digest() == p.view.digest()
+    consumers[1].send(1, C.Basic.Nack(delivery_tag=tags[1][0], requeue=True))
+    consumers[0].send(1, C.Basic.Ack(delivery_tag=tags[0][0]))
+    copy.apply(p.ship())
+    assert copy.digest() == p.view.digest()
+    assert_promotes_to(p.view, p.h.broker)
+    # Promoted in place too: the front goes back to the head of the queue.
+    want = [e.msg.body for e in promoted(p.view).vhosts["/"].queues["work"].messages]
+    work = p.view.promote().vhosts["/"].queues["work"]
+    assert work.unacked == 0 and len(want) == 12 - 4  # four acked
+    assert [e.msg.body for e in work.messages] == want
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_replica_restored_at_any_batch_keeps_digesting_alike(seed: int) -> None:
+    """A state update may be taken after any batch: the member restored from it and the
+    replica it came from apply the same batches and keep the same digest."""
+    log = generate(300 + seed, steps=300)
+    b = Broker()
+    b.record_changes(ChangeLog())
+    shipper, view = Shipper(), Replica()
+    copies: list[Replica] = []
+    for i, ev in enumerate(log, 1):
+        b.apply(ev)
+        if i % 2 == 0:
+            batch = shipper.batch(b)
+            for r in [view, *copies]:
+                r.apply(batch)
+            if i % 40 == 0:
+                copy = Replica()
+                copy.broker = snapshot.restore(snapshot.snapshot(view.broker))
+                copies.append(copy)
+    assert copies
+    assert {r.digest() for r in copies} == {view.digest()}

@@ -19,6 +19,15 @@ broker (a state update, the store, the management API) reads it as it reads any 
   one higher. That is what closing the consumer's channel does to it
   (``Consumers.requeue_all``), done ahead; a requeue on the primary then sets the values the
   primary computed. ``shipping.promote`` does the rest when this member becomes primary.
+* **The front of a queue**: a message delivered from the head of a plain queue moves to the
+  queue's *front*, an insertion-ordered dict by id in front of ``Queue.messages``, so that
+  settling it costs a dict pop, not a walk of the deque past every message still out with
+  the primary's consumers (4 consumers with a prefetch of 1,000 keep up to 4,000 there, and
+  they settle out of order). The queue's messages in order are the front's, then
+  ``Queue.messages``: exactly what keeping it in place gives, so every reader of a replica
+  (:func:`in_order`: snapshots, digests, state updates, promotion) sees what it saw before.
+  ``Queue.unacked`` counts the front, so a backup's management API shows what is out with the
+  primary's consumers as unacked; snapshots count it back as ready (:func:`held`).
 
 A backup does per message what appending to a deque and removing from it do, plus decoding
 the record: no frame parsing, routing, consumer or channel bookkeeping
@@ -29,18 +38,22 @@ writes it): a batch crosses the network to members that may run another build, s
 or marshal. A batch that does not decode or does not apply is an ``InvariantError``: the
 member stops rather than run diverged.
 
-Owns: an index of the broker's messages by id (derived: rebuilt from a queue when missing).
+Owns: an index of the broker's messages by id (derived: rebuilt from a queue when missing),
+and the fronts of its queues.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 import struct
+from collections.abc import Iterable
 from typing import Any
 
 from cpgbroker.errors import InvariantError
 from cpgbroker.model.changes import CREATED, DELETED, DELIVERED, ENQUEUED, RELEASED, REQUEUED
 from cpgbroker.model.config import Policy
-from cpgbroker.model.entities import Entry, Message, Queue
+from cpgbroker.model.entities import Entry, Message, PriorityMessages, Queue
 from cpgbroker.model.federation import Upstream
 from cpgbroker.model.plain import decode, queue_from_meta, restore_user, vhost_from_part
 
@@ -70,13 +83,16 @@ class Replication:
     """Applies change batches to the broker it belongs to: a hot-standby backup's, which
     has no connections (``Broker.apply`` of :class:`~.events.Changes`)."""
 
-    __slots__ = ("_index", "_owner", "catching_up", "released")
+    __slots__ = ("_front", "_index", "_owner", "catching_up", "released")
 
     def __init__(self, owner: Any) -> None:
         # The broker (typed Any: it imports this module, which must not import it back).
         self._owner = owner
         # (vhost, queue) -> message id -> entry; derived: built from the queue when missing.
         self._index: dict[tuple[str, str], dict[int, Entry]] = {}
+        # (vhost, queue) -> the queue's front (module docstring): message id -> entry, in
+        # queue order. Counted in ``Queue.unacked``.
+        self._front: dict[tuple[str, str], dict[int, Entry]] = {}
         # Replaying the stream after a state update that left out messages consumed while
         # it was sent (snapshot.parts, ``gone``): a record for a message that is not here
         # is for one of those, and done already. Otherwise such a record is a divergence.
@@ -89,8 +105,48 @@ class Replication:
         key = (q.vhost, q.name)
         index = self._index.get(key)
         if index is None:
-            index = self._index[key] = {e.msg.id: e for e in q.messages}
+            index = self._index[key] = {e.msg.id: e for e in self.in_order(q)}
         return index
+
+    def _front_of(self, q: Queue) -> dict[int, Entry]:
+        key = (q.vhost, q.name)
+        front = self._front.get(key)
+        if front is None:
+            front = self._front[key] = {}
+        return front
+
+    def in_order(self, q: Queue) -> Iterable[Entry]:
+        """``q``'s messages in queue order: its front's, then ``q.messages``."""
+        front = self._front.get((q.vhost, q.name))
+        if not front:
+            return q.messages
+        return itertools.chain(front.values(), q.messages)
+
+    def from_back(self, q: Queue) -> Iterable[Entry]:
+        """``q``'s messages from the back (a state update from the back, snapshot.parts)."""
+        msgs = q.messages
+        # reversed() walks a deque without copying it; a priority queue's bands are walked
+        # once (a priority queue has no front).
+        if isinstance(msgs, PriorityMessages):
+            return reversed(list(msgs))
+        front = self._front.get((q.vhost, q.name))
+        if not front:
+            return reversed(msgs)
+        return itertools.chain(reversed(msgs), reversed(front.values()))
+
+    def held(self, q: Queue) -> int:
+        """How many of ``q``'s messages are in its front (counted in ``q.unacked``)."""
+        front = self._front.get((q.vhost, q.name))
+        return len(front) if front else 0
+
+    def fold(self, q: Queue) -> None:
+        """Put ``q``'s front back into ``q.messages`` (before it is deleted or promoted)."""
+        front = self._front.pop((q.vhost, q.name), None)
+        if front:
+            msgs = q.messages
+            assert not isinstance(msgs, PriorityMessages)  # (only a plain queue has a front)
+            msgs.extendleft(reversed(front.values()))
+            q.unacked -= len(front)
 
     def apply(self, batch: bytes) -> None:
         """Apply one change batch (in the cluster's order)."""
@@ -114,8 +170,8 @@ class Replication:
         vhosts = b.vhosts
         mark = b.mark
         release = mark.release
-        # ref -> the queue and its index of messages by id.
-        refs: dict[int, tuple[Queue, dict[int, Entry]]] = {}
+        # ref -> the queue, its index of messages by id and its front.
+        refs: dict[int, tuple[Queue, dict[int, Entry], dict[int, Entry]]] = {}
         new: dict[int, Message] = {}
         ref_id = REF_ID_S.unpack_from
         end = len(batch)
@@ -124,17 +180,20 @@ class Replication:
             if kind == RELEASED:
                 _, ref, mid = ref_id(batch, p)
                 p += 13
-                q, index = refs[ref]
+                q, index, front = refs[ref]
                 e = index.pop(mid, None)
                 if e is None:
                     if self.catching_up:
                         continue
                     raise KeyError(mid)
-                msgs = q.messages
-                if msgs[0] is e:
-                    msgs.popleft()
+                if front.pop(mid, None) is not None:
+                    q.unacked -= 1
                 else:
-                    msgs.remove(e)
+                    msgs = q.messages
+                    if msgs[0] is e:
+                        msgs.popleft()
+                    else:
+                        msgs.remove(e)
                 release(q, e)
                 if self.released is not None:
                     self.released.append((q.vhost, q.name, mid))
@@ -166,7 +225,7 @@ class Replication:
                     )
                 else:
                     msg = new[mid]
-                q, index = refs[ref]
+                q, index, _ = refs[ref]
                 if mid in index:
                     raise InvariantError(f"message {mid} joins queue {q.name!r} twice")
                 e = index[mid] = Entry(msg, False, None if exp < 0 else exp)
@@ -177,7 +236,7 @@ class Replication:
             elif kind == DELIVERED:
                 _, ref, mid = ref_id(batch, p)
                 p += 13
-                q, index = refs[ref]
+                q, index, front = refs[ref]
                 e = index.get(mid)
                 if e is None:
                     if self.catching_up:
@@ -187,6 +246,13 @@ class Replication:
                 e.redelivered = True
                 if q.quorum:
                     e.delivery_count += 1
+                if mid not in front:
+                    msgs = q.messages
+                    # Into the front if it is the head (it all but always is); else in place.
+                    if type(msgs) is collections.deque and msgs[0] is e:
+                        msgs.popleft()
+                        front[mid] = e
+                        q.unacked += 1
             elif kind == REQUEUED:
                 _, ref, mid, redelivered, count = REQUEUED_S.unpack_from(batch, p)
                 p += REQUEUED_S.size
@@ -205,7 +271,7 @@ class Replication:
                 name = batch[p : p + nn].decode()
                 p += nn
                 q = vhosts[vhost].queues[name]
-                refs[ref] = (q, self._entries(q))
+                refs[ref] = (q, self._entries(q), self._front_of(q))
             elif kind == CREATED:
                 _, ref, n = CREATED_S.unpack_from(batch, p)
                 p += CREATED_S.size
@@ -215,12 +281,13 @@ class Replication:
                 if q.name in vh.queues:
                     raise InvariantError(f"queue {q.name!r} declared but already there")
                 vh.queues[q.name] = q
-                refs[ref] = (q, self._index.setdefault((q.vhost, q.name), {}))
+                refs[ref] = (q, self._index.setdefault((q.vhost, q.name), {}), self._front_of(q))
             elif kind == DELETED:
                 _, ref = REF_S.unpack_from(batch, p)
                 p += REF_S.size
-                q, _ = refs.pop(ref)
+                q, _, _ = refs.pop(ref)
                 self._index.pop((q.vhost, q.name), None)
+                self.fold(q)
                 b.topology.delete_queue(q)
             else:
                 raise InvariantError(f"unknown change record kind {kind} at byte {p}")
@@ -245,6 +312,7 @@ class Replication:
         head = defs[0]
         queues = [queue_from_meta(p[2]) for p in defs[1:] if p[0] == "queue"]
         index: dict[tuple[str, str], dict[int, Entry]] = {}
+        fronts: dict[tuple[str, str], dict[int, Entry]] = {}
         queued = 0
         for q in queues:
             old_vh = b.vhosts.get(q.vhost)
@@ -253,10 +321,13 @@ class Replication:
                 continue
             q.messages = old.messages
             q.ready_bytes = old.ready_bytes
+            q.unacked = old.unacked
             queued += q.ready_bytes
             key = (q.vhost, q.name)
             if key in self._index:
                 index[key] = self._index[key]
+            if key in self._front:
+                fronts[key] = self._front[key]
         vhosts = [vhost_from_part(p[1], queues) for p in defs[1:] if p[0] == "vhost"]
         b.topology.restore(vhosts, tuple(head["member_urls"]), [], [])
         # Users travel only once an operator changed them (snapshot._head): else the seed's.
@@ -275,3 +346,4 @@ class Replication:
         )
         b.mark.queued_bytes = queued
         self._index = index
+        self._front = fronts

@@ -152,7 +152,11 @@ class Shipper:
 
 def messages(b: Broker) -> int:
     """Messages held by ``b``'s queues (a replica: those out with a consumer too)."""
-    return sum(len(q.messages) for vh in b.vhosts.values() for q in vh.queues.values())
+    return sum(
+        len(q.messages) + b.replication.held(q)
+        for vh in b.vhosts.values()
+        for q in vh.queues.values()
+    )
 
 
 def promote(b: Broker, replicate: str = "all") -> None:
@@ -163,6 +167,7 @@ def promote(b: Broker, replicate: str = "all") -> None:
     queues = [q for vh in b.vhosts.values() for q in vh.queues.values()]
     over: list[tuple[Queue, Entry]] = []
     for q in queues:
+        b.replication.fold(q)
         q.last_used_ms = now
         _in_publish_order(q)
         if q.quorum and q.delivery_limit is not None:

@@ -41,7 +41,6 @@ from cpgbroker.model.entities import (
     Entry,
     Message,
     PendingPublish,
-    PriorityMessages,
     Queue,
     TxAck,
     TxNack,
@@ -116,7 +115,8 @@ NOT_REPLICATED = {
     "Admin": {"local_member"},
     "ResourceOps": {"answering"},
     # Derived (model/replica.py): a backup's index of messages by id, rebuilt when missing.
-    "Replication": {"_index", "catching_up", "released"},
+    # (Its queue fronts are not left out: ``parts`` puts them in their queues' messages.)
+    "Replication": {"_index", "_front", "catching_up", "released"},
     # A hot-standby primary's change log (model/changes.py): where records go, not state.
     "Broker": {"_changes"},
 }
@@ -195,16 +195,20 @@ def parts(
     if gone is not None:
         head["from_back"] = True  # (the receiver recounts bytes: ``Restorer.from_back``)
     yield head
+    replication = b.replication
     for i, q in enumerate(queues):
-        yield ["queue", i, _queue(q)]
+        # A backup's queue front (model/replica.py) is part of its messages: as a restored
+        # broker holds them, so that both digest alike.
+        held = replication.held(q)
+        yield ["queue", i, _queue(q, held)]
         if gone is not None:
-            yield from _from_the_back(q, i, chunk, gone, entry)
+            yield from _from_the_back(replication.from_back(q), q, i, chunk, gone, entry)
             continue
         # One pass over the queue (every consumer of these parts runs to the end without
         # applying events in between): slicing again from the start for every chunk walked
         # a priority queue's generator, or a deque, quadratically.
-        it = iter(q.messages)
-        for _ in range(0, len(q.messages), chunk):
+        it = iter(replication.in_order(q))
+        for _ in range(0, len(q.messages) + held, chunk):
             new: list[Any] = []
             entries = [entry(e, new) for e in itertools.islice(it, chunk)]
             yield ["entries", i, new, entries]
@@ -294,16 +298,16 @@ def queue_meta(q: Queue) -> dict[str, Any]:
 
 
 def _from_the_back(
+    back: Iterable[Entry],
     q: Queue,
     i: int,
     chunk: int,
     gone: Callable[[Queue], Container[int]],
     entry: Callable[[Entry, list[Any]], list[Any]],
 ) -> Iterator[Any]:
-    """``q``'s messages as ``entries_back`` parts (``parts``, ``gone``)."""
-    msgs = q.messages
-    # reversed() walks a deque without copying it; a priority queue's bands are walked once.
-    back = reversed(list(msgs)) if isinstance(msgs, PriorityMessages) else reversed(msgs)
+    """``q``'s messages, ``back`` (from its back), as ``entries_back`` parts (``parts``,
+    ``gone``)."""
+    back = iter(back)
     while True:
         taken = list(itertools.islice(back, chunk))
         if not taken:
@@ -422,7 +426,7 @@ def _exchange(ex: Exchange, qref: Any) -> dict[str, Any]:
     }
 
 
-def _queue(q: Queue) -> dict[str, Any]:
+def _queue(q: Queue, held: int = 0) -> dict[str, Any]:
     d = {
         "name": q.name,
         "vhost": q.vhost,
@@ -441,7 +445,7 @@ def _queue(q: Queue) -> dict[str, Any]:
         "quorum": q.quorum,
         "delivery_limit": q.delivery_limit,
         "rr": q.rr,
-        "unacked": q.unacked,
+        "unacked": q.unacked - held,
         "ready_bytes": q.ready_bytes,
         "had_consumers": q.had_consumers,
         "last_used_ms": q.last_used_ms,
