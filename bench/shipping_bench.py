@@ -18,7 +18,10 @@ timed alone with the collector off:
   ``--batch`` events (``model/changes.py``, ``model/replica.py``): a primary that ships
   changes;
 * ``replica``: a backup's replica applying those batches: what a backup spends with state
-  shipping.
+  shipping;
+* ``promotion``: a backup becoming primary with ``--messages`` messages queued (the same
+  publisher, no consumer): the copy of its replica that it serves (``Shipping.promote``), in
+  seconds, which its clients wait for.
 
 Prints JSON: µs per message for each, the replica's cost over ``replay`` and ``owner``, and the
 bytes shipped per message against the client bytes multicast today. RabbitMQ has no part that
@@ -33,8 +36,9 @@ import gc
 import json
 import sys
 import time
+import types
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -53,11 +57,13 @@ from cpgbroker.model.events import (  # noqa: E402
     Event,
 )
 from cpgbroker.model.shipping import Shipper, messages  # noqa: E402
+from cpgbroker.runtime.shipping import Shipping  # noqa: E402
 from modelclient import Harness  # noqa: E402
 
 
-def record(messages: int, size: int, per_read: int) -> list[Event]:
-    """The ordered log of a confirmed 1-publisher, 1-consumer run."""
+def record(messages: int, size: int, per_read: int, consume: bool = True) -> list[Event]:
+    """The ordered log of a confirmed 1-publisher, 1-consumer run (no consumer: the
+    messages stay queued)."""
     h = Harness(credit=per_read)
     h.tick(1_000)
     pub, con = h.connect(1), h.connect(2)
@@ -67,7 +73,8 @@ def record(messages: int, size: int, per_read: int) -> list[Event]:
     pub.rpc(1, C.Queue.Declare(queue="work", durable=True))
     pub.rpc(1, C.Confirm.Select())
     con.rpc(1, C.Basic.Qos(prefetch_count=100))
-    con.rpc(1, C.Basic.Consume(queue="work"))
+    if consume:
+        con.rpc(1, C.Basic.Consume(queue="work"))
     body = b"x" * size
     persistent = C.Basic.Properties(delivery_mode=2)
     one = pub.publish_bytes(1, "", "work", body, persistent)
@@ -167,6 +174,17 @@ def main() -> None:
             "change_batches": round(sum(len(b) for b in batches) / n, 1),
         },
     }
+    # Promotion: a replica holding every message, copied and promoted as a new primary.
+    _, held = apply_all(record(n, args.size, args.per_read, consume=False), True, args.batch)
+    backup = Broker()
+    for batch in held:
+        backup.apply(Changes(batch))
+    assert messages(backup) == n
+    shipping = Shipping(1, "all", 1000, lambda ev: None, lambda: 0)
+    # Output goes nowhere: the new primary has no client yet.
+    shipping.io = cast(Any, types.SimpleNamespace(execute=lambda out: None))
+    result["promotion_s"] = round(timed(lambda: shipping.promote(backup, backup.now_ms)), 3)
+    assert shipping.broker is not None and messages(shipping.broker) == n
     print(json.dumps(result, indent=2))
 
 

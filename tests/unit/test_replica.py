@@ -441,3 +441,23 @@ def test_a_replica_restored_at_any_batch_keeps_digesting_alike(seed: int) -> Non
                 copies.append(copy)
     assert copies
     assert {r.digest() for r in copies} == {view.digest()}
+
+
+def test_a_promotion_copy_shares_the_messages_and_equals_a_snapshot_copy() -> None:
+    """A new primary serves a copy of its replica made in process (``parts(share=True)``):
+    the same broker as a snapshot's round trip makes, sharing the (immutable) messages
+    instead of parsing every header again."""
+    _, view = replay(generate(7, steps=300), every=2)
+    shared = snapshot.restore(snapshot.parts(view.broker, share=True))
+    copied = snapshot.restore(snapshot.snapshot(view.broker))
+    assert snapshot.digest(shared) == snapshot.digest(copied) == view.digest()
+    mine = {
+        e.msg.id: e.msg for q in queues(view.broker) for e in view.broker.replication.in_order(q)
+    }
+    theirs = [e.msg for q in queues(shared) for e in q.messages]
+    assert theirs and all(m is mine[m.id] for m in theirs)
+    assert all(m is not mine[m.id] for q in queues(copied) for m in (e.msg for e in q.messages))
+
+
+def queues(b: Broker) -> list[Queue]:
+    return [q for vh in b.vhosts.values() for q in vh.queues.values()]

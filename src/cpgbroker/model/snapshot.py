@@ -131,7 +131,10 @@ CHUNK = 1000
 
 
 def parts(
-    b: Broker, chunk: int = CHUNK, gone: Callable[[Queue], Container[int]] | None = None
+    b: Broker,
+    chunk: int = CHUNK,
+    gone: Callable[[Queue], Container[int]] | None = None,
+    share: bool = False,
 ) -> Iterator[Any]:
     """The snapshot as a sequence of small plain-value parts, in a fixed order:
 
@@ -150,6 +153,11 @@ def parts(
     about to send each chunk: messages consumed since the snapshot's point, which the receiver
     drops as it replays the stream from that point anyway. So the transfer shrinks while
     consumers eat the front of a queue, instead of chasing them.
+
+    ``share``: for a copy in this process only (a hot-standby promotion, runtime/shipping.py),
+    the messages themselves instead of their rows: nothing changes a message once made, so
+    the copy shares them rather than parse every header again (:meth:`Restorer.feed` takes
+    either).
     """
     queues: list[Queue] = []
     qindex: dict[int, int] = {}
@@ -186,7 +194,7 @@ def parts(
         m = e.msg
         if m.id not in sent:
             sent[m.id] = None
-            new.append(_message(m))
+            new.append(m if share else _message(m))
         if e.delivery_count:
             return [m.id, e.redelivered, e.expires_at, e.delivery_count]
         return [m.id, e.redelivered, e.expires_at]
@@ -699,8 +707,12 @@ class Restorer:
         self.head = h
 
     def _messages(self, rows: list[Any]) -> None:
+        msgs = self.msgs
         for m in rows:
-            self.msgs[m[0]] = _restore_message(m)
+            if type(m) is Message:  # shared (``parts``, ``share``)
+                msgs[m.id] = m
+            else:
+                msgs[m[0]] = _restore_message(m)
 
     def _entry(self, raw: list[Any]) -> Entry:
         return Entry(self.msgs[raw[0]], *raw[1:])
