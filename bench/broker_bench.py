@@ -193,6 +193,13 @@ def profile_members(pids: list[int], seconds: float) -> list[subprocess.Popen[by
     return procs
 
 
+def cpg_sent(brokers: Any) -> dict[int, int]:
+    """CPG messages each member multicast so far (its status)."""
+    return {
+        n: int(((brokers.status(n) or {}).get("cpg") or {}).get("sent") or 0) for n in (1, 2, 3)
+    }
+
+
 def store_counters(brokers: Any) -> dict[int, dict[str, Any]]:
     out = {}
     for n in (1, 2, 3):
@@ -272,6 +279,8 @@ def run_ours_cluster(
         brokers.start_all()
         urls = [brokers.url(n) for n in (1, 2, 3)]
         pids = [brokers.procs[n].pid for n in (1, 2, 3)]
+        # Each member's corosync: it spends about as much CPU per message as a member does.
+        ring_pids = [p for p in (dc.node(n).pid for n in (1, 2, 3)) if p is not None]
         roles = {n: "active" for n in (1, 2, 3)}
         if hot_standby:
             # Every client on the primary (a backup turns them away).
@@ -298,8 +307,12 @@ def run_ours_cluster(
                 if name == order[0] and _pyspy():
                     profilers = profile_members(pids, secs - 2)
                 cpu_before = cpu_seconds(pids)
+                ring_before = cpu_seconds(ring_pids)
+                mcasts_before = cpg_sent(brokers)
                 raw = [load(shared, urls, pids, args, secs) for _ in range(repeat)]
                 cpu_after = cpu_seconds(pids)
+                ring_after = cpu_seconds(ring_pids)
+                mcasts_after = cpg_sent(brokers)
                 runs = [summary(r) for r in raw]
                 out[name] = median_run(runs)
                 received = sum(int(r.get("received") or 0) for r in raw)
@@ -307,6 +320,18 @@ def run_ours_cluster(
                     out[name]["member_us_per_msg"] = {
                         f"member{n} ({roles[n]})": round((b - a) * 1e6 / received, 1)
                         for n, a, b in zip((1, 2, 3), cpu_before, cpu_after, strict=True)
+                    }
+                    out[name]["corosync_us_per_msg"] = [
+                        round((b - a) * 1e6 / received, 1)
+                        for a, b in zip(ring_before, ring_after, strict=True)
+                    ]
+                    # CPG messages each member multicast per AMQP message (batches of client
+                    # bytes or changes, progress reports, clock ticks).
+                    out[name]["cpg_sent_per_msg"] = {
+                        f"member{n} ({roles[n]})": round(
+                            (mcasts_after[n] - mcasts_before[n]) / received, 3
+                        )
+                        for n in (1, 2, 3)
                     }
                 if store:
                     # Over every repeat: the counters are cumulative.

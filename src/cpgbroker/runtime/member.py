@@ -81,7 +81,6 @@ from cpgbroker.corosync.events import (
 from cpgbroker.errors import ClusterError
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.events import (
-    Changes,
     ClientConnected,
     ClientData,
     MemberLeft,
@@ -234,8 +233,6 @@ class ClusterNode:
         )
         if shipping is not None:
             shipping.io = self.io
-            # A batch that output or an operator's answer waits for asks to be reported.
-            shipping.holding = self._holding
         # A sample of how long events take to apply (runtime/applytimes.py).
         self.apply_times = ApplyTimes()
         # Operators' changes: answered once as safe as a durable confirm.
@@ -268,6 +265,8 @@ class ClusterNode:
             client_context(config.tls),
         )
         if shipping is not None:
+            # What held output and answers wait for, so that a batch asks to be reported.
+            shipping.waiting(self.confirms, self.desk, stored=store is not None)
             # A push queue grows as the serving broker applies its clients' publishes.
             shipping.on_cut = self.federation.applied
         # Hot standby: who takes clients (runtime/standby.py); None: every member does.
@@ -416,17 +415,6 @@ class ClusterNode:
         durable = self.durable_seq()
         self.progress.durable_reported = durable
         return codec.encode(Progress(self.member, seq, durable))
-
-    def _holding(self) -> tuple[bool, bool]:
-        """Shipping changes: whether output or an operator's answer waits for the batch being
-        cut, and whether any of it waits for every member's store."""
-        holding = bool(self.confirms.holding or self.desk.unsettled)
-        if not holding or self.store is None:
-            return holding, False
-        durable = bool(self.desk.unsettled) or any(
-            on_disk for lc in self.confirms.holding.values() for _s, _d, _r, on_disk in lc.held
-        )
-        return holding, durable
 
     def _stable_batches(self) -> tuple[int, int]:
         """Shipping changes: our last batch every ready member applied, and stored."""
@@ -656,17 +644,8 @@ class ClusterNode:
         explain (the same event applies cleanly elsewhere, or everywhere fails alike): the
         cluster decides in an error-check round."""
         shipping = self.shipping
-        if shipping is not None and type(e) is not Changes and type(e) is not Recovered:
-            # Shipping changes, the stream broker takes nothing but the primary's batches and
-            # what a restart from the stores drops (the membership's events go to the serving
-            # broker, if any); every member decides so alike.
-            shipping.on_stream(e)
+        if shipping is not None and not shipping.takes(e, sender, primary_of(self.membership)):
             return
-        if shipping is not None and type(e) is Changes:
-            primary = primary_of(self.membership)
-            if primary is None or sender != primary.member:
-                log.warning("a change batch from member %s, which is not primary: dropped", sender)
-                return
         broker = self.broker
         seq = broker.event_seq + 1
         mark = self.applying
@@ -697,17 +676,7 @@ class ClusterNode:
         if type(e) is ClientConnected and e.member != self.member:
             broker.set_emit(e.conn, False)
         elif shipping is not None:
-            if sender == self.member:
-                shipping.delivered_back(broker.event_seq)
-            released = broker.replication.released
-            if released is not None:
-                # A state update from the back of the queues is being sent: tell it what
-                # consumers took (runtime/update.py).
-                if released:
-                    self.updater.feed(released)
-                    released.clear()
-                if not self.updater.feeding:
-                    broker.replication.released = None
+            shipping.applied(broker, sender, self.updater)
         self._after_apply(e, sender)
 
     def _after_apply(self, e: Any, sender: int, failed: bool = False) -> None:

@@ -34,6 +34,10 @@ read, and what a backup promotes when it becomes primary.
   of messages (0.12 s per 200,000: ``bench/shipping_bench.py``); clients of the new primary
   wait that long.
 
+* **The stream** (:meth:`takes`, :meth:`applied`): the stream broker takes the primary's
+  batches only (and a restart's ``Recovered``); a batch from any other member is dropped,
+  alike on every member.
+
 Owns: the serving broker (while primary), the batch counters.
 """
 
@@ -46,12 +50,16 @@ from typing import Any
 
 import trio
 
+from cpgbroker.cluster.membership import MemberInfo
 from cpgbroker.model import snapshot
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.changes import ChangeLog
-from cpgbroker.model.events import Changes, ClusterMembers, Event, Tick
+from cpgbroker.model.events import Changes, ClusterMembers, Event, Recovered, Tick
 from cpgbroker.model.shipping import Shipper, promote
+from cpgbroker.runtime.admindesk import AdminDesk
+from cpgbroker.runtime.confirms import ConfirmGate
 from cpgbroker.runtime.server import Node
+from cpgbroker.runtime.updater import Updater
 
 log = logging.getLogger("cpgbroker.shipping")
 
@@ -92,9 +100,31 @@ class Shipping:
         self.stable = 0
         # Called after each batch is cut (the federation links' push queues may have grown).
         self.on_cut: Callable[[], None] = lambda: None
-        # Whether output or an answer waits for the batch being cut, and whether any of it
-        # waits for every member's store: read when a batch is cut.
-        self.holding: Callable[[], tuple[bool, bool]] = lambda: (False, False)
+        # The member's held output and operators' answers (:meth:`waiting`), read when a
+        # batch is cut, and whether it has a store.
+        self._confirms: ConfirmGate | None = None
+        self._desk: AdminDesk | None = None
+        self._stored = False
+
+    def waiting(self, confirms: ConfirmGate, desk: AdminDesk, stored: bool) -> None:
+        """Where output and operators' answers wait for batches (``stored``: the member has a
+        store, and a persistent message's confirm waits for every member's)."""
+        self._confirms, self._desk, self._stored = confirms, desk, stored
+
+    def holding(self) -> tuple[bool, bool]:
+        """Whether output or an operator's answer waits for the batch being cut (it asks the
+        backups to report it at once), and whether any of it waits for every member's store
+        (they report it once stored)."""
+        confirms, desk = self._confirms, self._desk
+        if confirms is None or desk is None:
+            return False, False
+        holding = bool(confirms.holding or desk.unsettled)
+        if not holding or not self._stored:
+            return holding, False
+        durable = bool(desk.unsettled) or any(
+            on_disk for lc in confirms.holding.values() for _s, _d, _r, on_disk in lc.held
+        )
+        return holding, durable
 
     @property
     def active(self) -> bool:
@@ -148,6 +178,35 @@ class Shipping:
         return self.shipped + 1
 
     # ------------------------------------------------------------------ the stream
+
+    def takes(self, ev: Any, sender: int, primary: MemberInfo | None) -> bool:
+        """Whether the stream broker applies ``ev`` of ``sender``: nothing but the primary's
+        batches and what a restart from the stores drops. The membership's events go to the
+        serving broker, if any (:meth:`on_stream`); every member decides so alike."""
+        t = type(ev)
+        if t is Changes:
+            if primary is None or sender != primary.member:
+                log.warning("a change batch from member %s, which is not primary: dropped", sender)
+                return False
+            return True
+        if t is not Recovered:
+            self.on_stream(ev)
+            return False
+        return True
+
+    def applied(self, replica: Broker, sender: int, updater: Updater) -> None:
+        """The stream broker applied an event of ``sender``."""
+        if sender == self.member:
+            self.delivered_back(replica.event_seq)
+        released = replica.replication.released
+        if released is not None:
+            # A state update from the back of the queues is being sent: tell it what
+            # consumers took (runtime/update.py).
+            if released:
+                updater.feed(released)
+                released.clear()
+            if not updater.feeding:
+                replica.replication.released = None
 
     def delivered_back(self, seq: int) -> None:
         """One of our batches was applied here as stream event ``seq``."""
