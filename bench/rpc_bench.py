@@ -11,8 +11,11 @@ its reply-to. ``p50_ms``/``p99_ms`` are round trips as the requester times them;
 the calls per second. In the cluster both clients are on the same member, first on its AMQP
 port, where every request and every answer crosses CPG (and waits for the ring's order) before
 the member applies it, then on its member-local port (``[cluster] local_listen``), where
-nothing does: that is measured against a standalone broker. RabbitMQ 3.10.8 (Debian's
-package) runs as a private node (tests/clients/rabbitmqnode.py).
+nothing does: that is measured against a standalone broker. Last, a hot-standby cluster
+shipping changes (``[cluster] mode = "hot-standby"``, ``replication = "changes"``), both
+clients on the primary's AMQP port: the primary applies requests and answers as they come
+and ships what they changed afterwards (the reply-to never ships), so no call waits for CPG.
+RabbitMQ 3.10.8 (Debian's package) runs as a private node (tests/clients/rabbitmqnode.py).
 Root for the cluster (namespaces). Never run two benchmarks at once on a 2-core machine.
 """
 
@@ -116,6 +119,28 @@ def cluster(calls: int) -> dict[str, Any]:
             brokers.stop_all()
 
 
+def hot_standby_changes(calls: int) -> dict[str, Any]:
+    from cpgbroker.dev.brokers import BrokerSet
+    from cpgbroker.dev.cluster import DevCluster
+
+    dc = DevCluster(3, prefix="rpcbench", token_ms=3000)
+    with dc:
+        brokers = BrokerSet(
+            dc,
+            event_log=False,
+            cluster_options='mode = "hot-standby"\nreplication = "changes"',
+        )
+        brokers.start_all()
+        try:
+            st = brokers.status(1)
+            assert st is not None and st["mode"] == "hot-standby", st
+            port = st["primary_url"].rsplit(":", 1)[1].strip("/")
+            primary = next(n for n in (1, 2, 3) if brokers.url(n).endswith(f":{port}/"))
+            return measure(brokers.url(primary), calls)
+        finally:
+            brokers.stop_all()
+
+
 def rabbitmq(calls: int) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT / "tests" / "clients"))
     from rabbitmqnode import problem, rabbitmq_node
@@ -141,12 +166,14 @@ def main() -> int:
         both = cluster(a.calls)
         out["cpgbroker_cluster_one_member"] = both["replicated"]
         out["cpgbroker_cluster_member_local"] = both["member_local"]
+        out["cpgbroker_hot_standby_changes_primary"] = hot_standby_changes(a.calls)
     if a.rabbitmq:
         out["rabbitmq_single"] = rabbitmq(a.calls)
     base = out["cpgbroker_standalone"]["p50_ms"]
     for key in (
         "cpgbroker_cluster_one_member",
         "cpgbroker_cluster_member_local",
+        "cpgbroker_hot_standby_changes_primary",
         "rabbitmq_single",
     ):
         if "p50_ms" in out.get(key, {}):
