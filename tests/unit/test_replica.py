@@ -457,6 +457,11 @@ def test_a_promotion_copy_shares_the_messages_and_equals_a_snapshot_copy() -> No
     theirs = [e.msg for q in queues(shared) for e in q.messages]
     assert theirs and all(m is mine[m.id] for m in theirs)
     assert all(m is not mine[m.id] for q in queues(copied) for m in (e.msg for e in q.messages))
+    # The entries are the copy's own: promoting it (which requeues and counts deliveries)
+    # leaves the replica as it was.
+    before = view.digest()
+    promote(shared)
+    assert view.digest() == before != snapshot.digest(shared)
 
 
 def queues(b: Broker) -> list[Queue]:

@@ -155,9 +155,9 @@ def parts(
     consumers eat the front of a queue, instead of chasing them.
 
     ``share``: for a copy in this process only (a hot-standby promotion, runtime/shipping.py),
-    the messages themselves instead of their rows: nothing changes a message once made, so
-    the copy shares them rather than parse every header again (:meth:`Restorer.feed` takes
-    either).
+    a queue's entries as copies of themselves and messages as the objects instead of rows:
+    nothing changes a message once made, so the copy shares them rather than parse every
+    header again (:meth:`Restorer.feed` takes either).
     """
     queues: list[Queue] = []
     qindex: dict[int, int] = {}
@@ -217,6 +217,14 @@ def parts(
         # a priority queue's generator, or a deque, quadratically.
         it = iter(replication.in_order(q))
         for _ in range(0, len(q.messages) + held, chunk):
+            if share:
+                # Copies of the entries themselves, sharing their messages (docstring).
+                copies = [
+                    Entry(e.msg, e.redelivered, e.expires_at, e.delivery_count)
+                    for e in itertools.islice(it, chunk)
+                ]
+                yield ["entries", i, [], copies]
+                continue
             new: list[Any] = []
             entries = [entry(e, new) for e in itertools.islice(it, chunk)]
             yield ["entries", i, new, entries]
@@ -629,9 +637,13 @@ class Restorer:
         if kind == "entries":
             self._messages(part[2])
             q = self.queues[part[1]]
-            msgs = self.msgs
-            q.messages.extend(Entry(msgs[r[0]], *r[1:]) for r in part[3])
-            self.messages += len(part[3])
+            rows = part[3]
+            if rows and type(rows[0]) is Entry:  # copies already (``parts``, ``share``)
+                q.messages.extend(rows)
+            else:
+                msgs = self.msgs
+                q.messages.extend(Entry(msgs[r[0]], *r[1:]) for r in rows)
+            self.messages += len(rows)
         elif kind == "entries_back":
             # A replica's update from the back of each queue (``parts``, ``gone``).
             self._messages(part[2])

@@ -27,11 +27,12 @@ read, and what a backup promotes when it becomes primary.
   batches say what expired.
 * **Promotion** (:meth:`promote`): when the stream makes this member primary (the eldest
   ready member: ``runtime/standby.py``), it copies its replica through a snapshot's parts
-  (sharing the messages, which never change: ``snapshot.parts``, ``share``) and turns the
+  (copies of its entries, sharing the messages, which never change: ``snapshot.parts``,
+  ``share``) and turns the
   copy into the serving broker (``model.shipping.promote``), recording from before the first
   step so that what promotion changes (dead-lettering past a delivery limit, queues of the
   dead primary's clients deleted) ships too. The copy costs time in proportion to the number
-  of messages (0.12 s per 200,000: ``bench/shipping_bench.py``); clients of the new primary
+  of messages (0.05 s per 200,000: ``bench/shipping_bench.py``); clients of the new primary
   wait that long.
 
 * **The stream** (:meth:`takes`, :meth:`applied`): the stream broker takes the primary's
