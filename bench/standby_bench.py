@@ -4,6 +4,7 @@
     python bench/standby_bench.py --clients 200 --token 3000
     python bench/standby_bench.py --node                # the primary's whole node dies
     python bench/standby_bench.py --changes             # replication = "changes"
+    python bench/standby_bench.py --changes --queued 500000   # a deep queue to take over
 
 A 3-member dev cluster (corosync in namespaces) with ``[cluster] mode = "hot-standby"``. The
 clients, one AMQP connection each, all in this process (the runtime's trio client), are given
@@ -15,8 +16,10 @@ with SIGKILL: its broker process (the node's corosync reports it gone at once), 
 timeout). Reported: how long the first client took to be served again (a confirm after the
 kill: failure detection plus the takeover), how long until every client was (each one's first
 confirm after the kill; p50, p99, max), how many reconnect attempts that took, and whether
-the queue holds every confirmed message (nothing lost). Root only (namespaces). Never run two
-benchmarks at once on a 2-core machine.
+the queue holds every confirmed message (nothing lost). ``--queued N`` first fills a second
+queue with N confirmed 100-byte messages that nobody consumes: a new primary shipping changes
+copies its replica before it serves (``Shipping.promote``), so this shows what a deep queue adds
+to the takeover. Root only (namespaces). Never run two benchmarks at once on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from cpgbroker.dev.cluster import DevCluster
 from cpgbroker.runtime.amqpclient import AmqpClient, AmqpClientError
 
 QUEUE = "standby_bench"
+HELD = "standby_bench_held"
 
 
 class Clients:
@@ -75,6 +79,15 @@ async def run(bs: BrokerSet, primary: int, args: argparse.Namespace) -> dict[str
     async with setup:
         ch = await setup.channel()
         await ch.queue_declare(QUEUE, durable=False)
+        await ch.queue_declare(HELD, durable=False)
+        await ch.confirm_select()
+        body = b"h" * 100
+        for start in range(0, args.queued, 1000):
+            confirms = [
+                await ch.publish("", HELD, body) for _ in range(min(1000, args.queued - start))
+            ]
+            for c in confirms:
+                assert c is not None and await c.wait()
     clients = Clients(args.clients, urls, args.interval)
     async with trio.open_nursery() as nursery:
         for i in range(args.clients):
@@ -118,6 +131,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--node", action="store_true", help="kill the primary's corosync too")
     ap.add_argument("--changes", action="store_true", help='[cluster] replication = "changes"')
+    ap.add_argument("--queued", type=int, default=0, help="messages queued in a second queue")
     args = ap.parse_args()
     options = 'mode = "hot-standby"' + ('\nreplication = "changes"' if args.changes else "")
     dc = DevCluster(3, prefix=f"sbbench-{os.getpid() % 100000}", token_ms=args.token)
@@ -135,6 +149,7 @@ def main() -> int:
             new = bs.status(survivors[0])
             assert new is not None
             depth = new["queues"].get(f"/:{QUEUE}", {}).get("ready")
+            held = new["queues"].get(f"/:{HELD}", {}).get("ready")
             out.update(
                 {
                     "clients": args.clients,
@@ -145,7 +160,10 @@ def main() -> int:
                     + (" and its node's corosync" if args.node else ""),
                     "new_primary": new.get("primary_url"),
                     "queue_messages": depth,
-                    "nothing_lost": depth is not None and depth >= out["confirmed"],
+                    "queued": args.queued,
+                    "nothing_lost": depth is not None
+                    and depth >= out["confirmed"]
+                    and held == args.queued,
                     "run_s": round(time.monotonic() - t0, 1),
                 }
             )
