@@ -13,7 +13,7 @@ from cpgbroker.model import snapshot
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.changes import ChangeLog
 from cpgbroker.model.entities import Entry, PriorityMessages, Queue
-from cpgbroker.model.events import Changes, ClientDisconnected, Event, Tick
+from cpgbroker.model.events import Changes, ClientDisconnected, Event, Recovered, Tick
 from cpgbroker.model.shipping import Shipper, messages, promote
 from modelclient import Client, Harness
 from workload import generate
@@ -466,3 +466,37 @@ def test_a_promotion_copy_shares_the_messages_and_equals_a_snapshot_copy() -> No
 
 def queues(b: Broker) -> list[Queue]:
     return [q for vh in b.vhosts.values() for q in vh.queues.values()]
+
+
+def test_a_restart_from_the_stores_drops_transient_messages_from_the_fronts_too() -> None:
+    """``Recovered`` (the cluster restarted from its stores) drops what is transient: also
+    messages that were out with the primary's consumers, in the queues' fronts. The replica
+    then holds what a broker restored from its snapshot holds, and a queue declared again
+    under a dropped queue's name starts empty."""
+    p = Primary()
+    p.c.rpc(1, C.Queue.Declare(queue="d", durable=True))
+    p.c.rpc(1, C.Queue.Declare(queue="t"))
+    persistent = C.Basic.Properties(delivery_mode=2)
+    p.c.publish(1, "", "d", b"transient")
+    p.c.publish(1, "", "d", b"persistent", props=persistent)
+    p.c.publish(1, "", "t", b"in t", props=persistent)
+    p.c.send(1, C.Basic.Get(queue="d"))
+    p.c.send(1, C.Basic.Get(queue="t"))
+    p.ship()
+    view = p.view.broker
+    copy = snapshot.restore(snapshot.snapshot(view))
+    for b in (view, copy):
+        b.apply(Recovered())
+    assert snapshot.digest(view) == snapshot.digest(copy)
+    d = view.vhosts["/"].queues["d"]
+    assert [e.msg.body for e in view.replication.in_order(d)] == [b"persistent"]
+    assert d.unacked == 0 and view.queued_bytes == len(b"persistent")
+    assert list(view.vhosts["/"].queues) == ["d"]
+    again = Primary()
+    again.c.rpc(1, C.Queue.Declare(queue="t"))
+    batch = again.shipper.batch(again.h.broker)
+    for b in (view, copy):
+        b.apply(Changes(batch))
+    t = view.vhosts["/"].queues["t"]
+    assert not list(view.replication.in_order(t)) and t.unacked == 0
+    assert snapshot.digest(view) == snapshot.digest(copy)

@@ -231,6 +231,8 @@ class Broker:
         elif t is DiskAlarm:
             self.mark.set_disk_alarm(event.member, event.low)  # type: ignore[union-attr]
         elif t is Recovered:
+            # A replica's queue fronts first: what is dropped is dropped from whole queues.
+            self.replication.fold_all()
             self.topology.drop_transient()
         elif t is AdminCommand:
             self.admin.apply(event)  # type: ignore[arg-type]

@@ -139,6 +139,14 @@ class Replication:
         front = self._front.get((q.vhost, q.name))
         return len(front) if front else 0
 
+    def fold_all(self) -> None:
+        """Every queue's front back into its messages (a restart from the stores drops what
+        is transient from whole queues: ``Recovered``)."""
+        for vh in self._owner.vhosts.values():
+            for q in vh.queues.values():
+                self.fold(q)
+        self._front.clear()
+
     def fold(self, q: Queue) -> None:
         """Put ``q``'s front back into ``q.messages`` (before it is deleted or promoted)."""
         front = self._front.pop((q.vhost, q.name), None)
