@@ -500,3 +500,31 @@ def test_a_restart_from_the_stores_drops_transient_messages_from_the_fronts_too(
     t = view.vhosts["/"].queues["t"]
     assert not list(view.replication.in_order(t)) and t.unacked == 0
     assert snapshot.digest(view) == snapshot.digest(copy)
+
+
+def test_a_restored_replica_rebuilds_its_fronts_and_counts_unacked_as_the_primary() -> None:
+    """A member restored from a snapshot (a state update, a restart) has what was out with
+    the primary's consumers at the head of each queue; the next delivery from behind them
+    makes them the queue's front again, and the counts match the primary's."""
+    p = Primary()
+    p.c.rpc(1, C.Queue.Declare(queue="work"))
+    for i in range(10):
+        p.c.publish(1, "", "work", b"m%d" % i)
+    consumers = [p.client(10 + n) for n in range(2)]
+    for c in consumers:
+        c.send(1, C.Basic.Qos(prefetch_count=2))
+        c.send(1, C.Basic.Consume(queue="work"))
+    tags = [[m.delivery_tag for m, _ in c.deliveries()] for c in consumers]
+    p.ship()
+    copy = Replica()
+    copy.broker = snapshot.restore(snapshot.snapshot(p.view.broker))
+    work = copy.broker.vhosts["/"].queues["work"]
+    assert copy.broker.replication.held(work) == 0 and work.unacked == 0
+    # The second consumer acks its first: m4 goes out to it, from behind m0-m3.
+    consumers[1].send(1, C.Basic.Ack(delivery_tag=tags[1][0]))
+    batch = p.shipper.batch(p.h.broker)
+    for r in (p.view, copy):
+        r.apply(batch)
+    primary_work = p.h.broker.vhosts["/"].queues["work"]
+    assert copy.broker.replication.held(work) == work.unacked == primary_work.unacked == 4
+    assert copy.digest() == p.view.digest()

@@ -26,6 +26,8 @@ broker (a state update, the store, the management API) reads it as it reads any 
   they settle out of order). The queue's messages in order are the front's, then
   ``Queue.messages``: exactly what keeping it in place gives, so every reader of a replica
   (:func:`in_order`: snapshots, digests, state updates, promotion) sees what it saw before.
+  A broker restored from a snapshot has its fronts back in ``Queue.messages``; the first
+  message delivered from behind them moves them, and itself, into the front again.
   ``Queue.unacked`` counts the front, so a backup's management API shows what is out with the
   primary's consumers as unacked; snapshots count it back as ready (:func:`held`).
 
@@ -138,6 +140,18 @@ class Replication:
         """How many of ``q``'s messages are in its front (counted in ``q.unacked``)."""
         front = self._front.get((q.vhost, q.name))
         return len(front) if front else 0
+
+    @staticmethod
+    def _to_front(q: Queue, front: dict[int, Entry], e: Entry) -> None:
+        """Move ``q``'s messages up to ``e`` into its front (a plain queue's): the queue's
+        order stays, and settling them is a dict pop from here on."""
+        msgs = q.messages
+        assert isinstance(msgs, collections.deque)  # (only a plain queue has a front)
+        moved = msgs.index(e) + 1
+        for _ in range(moved):
+            x = msgs.popleft()
+            front[x.msg.id] = x
+        q.unacked += moved
 
     def fold_all(self) -> None:
         """Every queue's front back into its messages (a restart from the stores drops what
@@ -256,11 +270,17 @@ class Replication:
                     e.delivery_count += 1
                 if mid not in front:
                     msgs = q.messages
-                    # Into the front if it is the head (it all but always is); else in place.
-                    if type(msgs) is collections.deque and msgs[0] is e:
-                        msgs.popleft()
-                        front[mid] = e
-                        q.unacked += 1
+                    if type(msgs) is collections.deque:
+                        if msgs[0] is e:
+                            # Into the front: it all but always is the head.
+                            msgs.popleft()
+                            front[mid] = e
+                            q.unacked += 1
+                        else:
+                            # A replica restored from a snapshot, whose fronts came back as
+                            # the head of their queues: the messages before this one went
+                            # out before it, so they join the front with it, in order.
+                            self._to_front(q, front, e)
             elif kind == REQUEUED:
                 _, ref, mid, redelivered, count = REQUEUED_S.unpack_from(batch, p)
                 p += REQUEUED_S.size
