@@ -381,20 +381,30 @@ def test_records_for_messages_that_are_not_there_are_a_divergence() -> None:
     lost.apply(Changes(batch))
 
 
+def consuming(
+    messages: int, consumers: int, prefetch: int
+) -> tuple[Primary, list[Client], list[list[int]]]:
+    """A primary whose queue "work" held ``messages`` when ``consumers`` consumers, each
+    with ``prefetch``, took what they could (one after the other), shipped: the primary,
+    its consumers and the delivery tags each got."""
+    p = Primary()
+    p.c.rpc(1, C.Queue.Declare(queue="work"))
+    for i in range(messages):
+        p.c.publish(1, "", "work", b"m%d" % i)
+    clients = [p.client(10 + n) for n in range(consumers)]
+    for c in clients:
+        c.send(1, C.Basic.Qos(prefetch_count=prefetch))
+        c.send(1, C.Basic.Consume(queue="work"))
+    tags = [[m.delivery_tag for m, _ in c.deliveries()] for c in clients]
+    p.ship()
+    return p, clients, tags
+
+
 def test_messages_out_with_consumers_are_unacked_on_a_backup_and_settle_in_any_order() -> None:
     """What the primary's consumers hold is, on a backup, the front of its queue: counted
     unacked as on the primary, settled in whatever order the consumers ack, and still in
     queue order for a snapshot and a promotion."""
-    p = Primary()
-    p.c.rpc(1, C.Queue.Declare(queue="work"))
-    for i in range(12):
-        p.c.publish(1, "", "work", b"m%d" % i)
-    consumers = [p.client(10 + n) for n in range(3)]
-    for c in consumers:
-        c.send(1, C.Basic.Qos(prefetch_count=3))
-        c.send(1, C.Basic.Consume(queue="work"))
-    tags = [[m.delivery_tag for m, _ in c.deliveries()] for c in consumers]
-    p.ship()
+    p, consumers, tags = consuming(messages=12, consumers=3, prefetch=3)
     work = p.view.broker.vhosts["/"].queues["work"]
     primary_work = p.h.broker.vhosts["/"].queues["work"]
     assert work.unacked == primary_work.unacked == 9
@@ -506,16 +516,7 @@ def test_a_restored_replica_rebuilds_its_fronts_and_counts_unacked_as_the_primar
     """A member restored from a snapshot (a state update, a restart) has what was out with
     the primary's consumers at the head of each queue; the next delivery from behind them
     makes them the queue's front again, and the counts match the primary's."""
-    p = Primary()
-    p.c.rpc(1, C.Queue.Declare(queue="work"))
-    for i in range(10):
-        p.c.publish(1, "", "work", b"m%d" % i)
-    consumers = [p.client(10 + n) for n in range(2)]
-    for c in consumers:
-        c.send(1, C.Basic.Qos(prefetch_count=2))
-        c.send(1, C.Basic.Consume(queue="work"))
-    tags = [[m.delivery_tag for m, _ in c.deliveries()] for c in consumers]
-    p.ship()
+    p, consumers, tags = consuming(messages=10, consumers=2, prefetch=2)
     copy = Replica()
     copy.broker = snapshot.restore(snapshot.snapshot(p.view.broker))
     work = copy.broker.vhosts["/"].queues["work"]
