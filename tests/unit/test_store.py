@@ -30,7 +30,7 @@ from cpgbroker.model.events import (
 from cpgbroker.model.shipping import Shipper
 from cpgbroker.store import meta, records
 from cpgbroker.store.disk import OsDisk, SimDisk, StoreCorrupt
-from cpgbroker.store.store import Store, StoreMismatch, StoreSettings
+from cpgbroker.store.store import Recovery, Store, StoreMismatch, StoreSettings
 from workload import generate
 
 DIR = "/store"
@@ -126,6 +126,31 @@ def test_snapshots_bound_the_journal_and_recovery_starts_from_the_newest() -> No
     assert snapshot.digest(rec.broker) == snapshot.digest(b)
 
 
+def _crash(
+    events: list[Event], seed: int, cut: int, sync_every: int, snap: int = 3000
+) -> tuple[SimDisk, Recovery]:
+    """Journal ``events[:cut]`` on a simulated disk, fsyncing every ``sync_every`` events (what
+    a confirm could have vouched for), then lose power: the syncer thread and everything not
+    fsynced are gone. What the store recovers is at least what was synced."""
+    disk = SimDisk()
+    store = _store(disk, snapshot_bytes=snap)
+    _open(store)
+    b = Broker()
+    synced = 0
+    for i, ev in enumerate(events[:cut]):
+        _feed(store, b, [ev])
+        if i % sync_every == 0:
+            assert store.syncer is not None
+            synced = store.syncer.barrier()
+    assert store.syncer is not None
+    store.syncer.barrier()
+    disk.crash(random.Random(seed))
+    rec = _store(disk).recover(b.config)
+    assert rec is not None
+    assert synced <= rec.seq <= cut
+    return disk, rec
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     seed=st.integers(0, 10_000),
@@ -139,27 +164,11 @@ def test_a_crash_at_any_point_recovers_a_synced_prefix(
     events = generate(seed, steps=150)
     digests = _digests(events)
     cut = max(1, int(len(events) * crash_at))
-    disk = SimDisk()
-    store = _store(disk, snapshot_bytes=snap)
-    _open(store)
-    b = Broker()
-    synced = 0
-    for i, ev in enumerate(events[:cut]):
-        _feed(store, b, [ev])
-        if i % sync_every == 0:
-            assert store.syncer is not None
-            synced = store.syncer.barrier()  # what a confirm could have vouched for
-    # Power lost: the syncer thread and everything not fsynced are gone.
-    assert store.syncer is not None
-    store.syncer.barrier()
-    disk.crash(random.Random(seed))
-    rec = _store(disk).recover(b.config)
-    assert rec is not None
-    assert synced <= rec.seq <= cut
+    disk, rec = _crash(events, seed, cut, sync_every, snap)
     assert snapshot.digest(rec.broker) == digests[rec.seq]
     # The recovered store goes on journaling after what it holds.
     store2 = _store(disk)
-    again = store2.recover(b.config)
+    again = store2.recover(rec.broker.config)
     assert again is not None
     _open(store2, again.seq + 1)
     b2 = again.broker
@@ -167,7 +176,7 @@ def test_a_crash_at_any_point_recovers_a_synced_prefix(
     assert store2.syncer is not None
     store2.syncer.barrier()
     store2.close(clean=True, last_seq=b2.event_seq)
-    final = _store(disk).recover(b.config)
+    final = _store(disk).recover(b2.config)
     assert final is not None and final.clean
     assert snapshot.digest(final.broker) == digests[-1]
 
@@ -337,22 +346,7 @@ def test_operators_changes_survive_a_crash_as_far_as_they_were_synced(
     events = _with_operators(seed)
     digests = _digests(events)
     cut = max(1, int(len(events) * crash_at))
-    disk = SimDisk()
-    store = _store(disk, snapshot_bytes=3000)
-    _open(store)
-    b = Broker()
-    synced = 0
-    for i, ev in enumerate(events[:cut]):
-        _feed(store, b, [ev])
-        if i % 7 == 0:
-            assert store.syncer is not None
-            synced = store.syncer.barrier()
-    assert store.syncer is not None
-    store.syncer.barrier()
-    disk.crash(random.Random(seed))
-    rec = _store(disk).recover(b.config)
-    assert rec is not None
-    assert synced <= rec.seq <= cut
+    _, rec = _crash(events, seed, cut, sync_every=7)
     assert snapshot.digest(rec.broker) == digests[rec.seq]
     if rec.seq == len(events):
         assert "ann" in rec.broker.users.by_name
@@ -376,22 +370,7 @@ def test_a_replica_of_change_batches_survives_a_crash_as_far_as_it_was_synced(
             events.append(Changes(shipper.batch(primary)))
     digests = _digests(events)
     cut = max(1, int(len(events) * crash_at))
-    disk = SimDisk()
-    store = _store(disk, snapshot_bytes=3000)
-    _open(store)
-    b = Broker()
-    synced = 0
-    for i, ev in enumerate(events[:cut]):
-        _feed(store, b, [ev])
-        if i % 5 == 0:
-            assert store.syncer is not None
-            synced = store.syncer.barrier()
-    assert store.syncer is not None
-    store.syncer.barrier()
-    disk.crash(random.Random(seed))
-    rec = _store(disk).recover(b.config)
-    assert rec is not None
-    assert synced <= rec.seq <= cut
+    _, rec = _crash(events, seed, cut, sync_every=5)
     assert snapshot.digest(rec.broker) == digests[rec.seq]
     for ev in events[rec.seq :]:
         rec.broker.apply(ev)
