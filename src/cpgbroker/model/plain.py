@@ -24,6 +24,11 @@ from cpgbroker.model.entities import IdList, Queue, QueueBinding, ready_messages
 from cpgbroker.model.exchange import Exchange
 from cpgbroker.model.topology import VHost
 
+# 2: queues carry single_active (x-single-active-consumer), quorum and delivery_limit; entries
+#    of quorum queues their delivery count (a fourth element, when not 0); connections whether
+#    they were ever granted output.
+SNAPSHOT_FORMAT = 2
+
 
 def encode(obj: Any) -> bytes:
     out: list[bytes] = []

@@ -644,7 +644,7 @@ class ClusterNode:
         explain (the same event applies cleanly elsewhere, or everywhere fails alike): the
         cluster decides in an error-check round."""
         shipping = self.shipping
-        if shipping is not None and not shipping.takes(e, sender, primary_of(self.membership)):
+        if shipping is not None and not shipping.takes(e, sender, self.membership):
             return
         broker = self.broker
         seq = broker.event_seq + 1

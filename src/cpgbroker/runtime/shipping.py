@@ -51,7 +51,7 @@ from typing import Any
 
 import trio
 
-from cpgbroker.cluster.membership import MemberInfo
+from cpgbroker.cluster.membership import Membership
 from cpgbroker.model import snapshot
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.changes import ChangeLog
@@ -60,6 +60,7 @@ from cpgbroker.model.shipping import Shipper, promote
 from cpgbroker.runtime.admindesk import AdminDesk
 from cpgbroker.runtime.confirms import ConfirmGate
 from cpgbroker.runtime.server import Node
+from cpgbroker.runtime.standby import primary_of
 from cpgbroker.runtime.updater import Updater
 
 log = logging.getLogger("cpgbroker.shipping")
@@ -180,12 +181,13 @@ class Shipping:
 
     # ------------------------------------------------------------------ the stream
 
-    def takes(self, ev: Any, sender: int, primary: MemberInfo | None) -> bool:
+    def takes(self, ev: Any, sender: int, membership: Membership) -> bool:
         """Whether the stream broker applies ``ev`` of ``sender``: nothing but the primary's
         batches and what a restart from the stores drops. The membership's events go to the
         serving broker, if any (:meth:`on_stream`); every member decides so alike."""
         t = type(ev)
         if t is Changes:
+            primary = primary_of(membership)
             if primary is None or sender != primary.member:
                 log.warning("a change batch from member %s, which is not primary: dropped", sender)
                 return False
