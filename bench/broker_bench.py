@@ -200,6 +200,14 @@ def cpg_sent(brokers: Any) -> dict[int, int]:
     }
 
 
+def elided(brokers: Any) -> int:
+    """Messages the members' serving brokers never shipped so far (hot standby shipping
+    changes: acked before their batch was cut)."""
+    return sum(
+        int(((brokers.status(n) or {}).get("batches") or {}).get("elided") or 0) for n in (1, 2, 3)
+    )
+
+
 def store_counters(brokers: Any) -> dict[int, dict[str, Any]]:
     out = {}
     for n in (1, 2, 3):
@@ -309,10 +317,12 @@ def run_ours_cluster(
                 cpu_before = cpu_seconds(pids)
                 ring_before = cpu_seconds(ring_pids)
                 mcasts_before = cpg_sent(brokers)
+                elided_before = elided(brokers)
                 raw = [load(shared, urls, pids, args, secs) for _ in range(repeat)]
                 cpu_after = cpu_seconds(pids)
                 ring_after = cpu_seconds(ring_pids)
                 mcasts_after = cpg_sent(brokers)
+                elided_after = elided(brokers)
                 runs = [summary(r) for r in raw]
                 out[name] = median_run(runs)
                 received = sum(int(r.get("received") or 0) for r in raw)
@@ -333,6 +343,12 @@ def run_ours_cluster(
                         )
                         for n in (1, 2, 3)
                     }
+                    if elided_after:
+                        # The share of messages acked before their batch was cut, which never
+                        # crossed the ring (model/changes.py, "Elision").
+                        out[name]["elided_share"] = round(
+                            (elided_after - elided_before) / received, 3
+                        )
                 if store:
                     # Over every repeat: the counters are cumulative.
                     total = {

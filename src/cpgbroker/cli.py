@@ -330,6 +330,13 @@ def _status(target: AdminTarget, as_json: bool) -> int:
                 f"mode: hot-standby  this member: {data.get('role')}  "
                 f"primary: member {data.get('primary')} {data.get('primary_url') or ''}"
             )
+        if data.get("replication") == "changes":
+            b = data.get("batches") or {}
+            print(
+                f"replication: changes (replicate {data.get('replicate')})  batches shipped "
+                f"{b.get('shipped', 0)}, stable {b.get('stable', 0)}; messages acked before "
+                f"their batch left (never shipped): {b.get('elided', 0)}"
+            )
         for m in data.get("members", []):
             print(f"  member {m['member']}  {m['status']:8}  {m['url']}")
         cp = data.get("checkpoint")

@@ -189,6 +189,16 @@ def test_shipping_changes_backups_take_over_with_every_confirmed_message(
     got = drain_queue(bs, new_primary, "ship.q")
     assert set(confirmed) <= set(got)
     assert len(got) == len(set(got))
+    # What an operator sees of the new primary's batches.
+    out = subprocess.run(
+        [sys.executable, "-m", "cpgbroker", "status", *bs.cli_args(new_primary)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    line = re.search(r"replication: changes \(replicate all\)  batches shipped (\d+)", out.stdout)
+    assert line is not None and int(line.group(1)) > 0, out.stdout
 
 
 def test_shipping_changes_a_backup_catches_up_from_the_back_while_a_consumer_eats(

@@ -203,6 +203,74 @@ def test_exclusive_reply_queues_never_cross_the_cluster() -> None:
     assert view_names(p.view.promote()) == [("/", "rpc")]
 
 
+def test_a_message_acked_before_its_batch_is_cut_never_ships() -> None:
+    p = Primary()
+    p.c.rpc(1, C.Queue.Declare(queue="work"))
+    p.c.send(1, C.Basic.Consume(queue="work"))
+    p.ship()
+    p.c.publish(1, "", "work", b"x" * 1000)
+    [(first, _)] = p.c.deliveries()
+    p.c.send(1, C.Basic.Ack(delivery_tag=first.delivery_tag))
+    log = p.h.broker.changes
+    assert log is not None and log.elided == 1 and log.bytes == 0
+    assert len(p.ship()) < 100  # its body, delivery and ack stayed on the primary
+    assert p.view.messages == 0
+    # Acked after its batch was cut, a message is in one batch and its ack in the next.
+    p.c.publish(1, "", "work", b"y" * 1000)
+    assert log.bytes == 1000
+    [(second, _)] = p.c.deliveries()
+    assert len(p.ship()) > 1000 and p.view.messages == 1
+    assert p.view.broker.vhosts["/"].queues["work"].unacked == 1
+    p.c.send(1, C.Basic.Ack(delivery_tag=second.delivery_tag))
+    assert len(p.ship()) < 100 and p.view.messages == 0
+    assert log.elided == 1
+    assert_promotes_to(p.view, p.h.broker)
+
+
+def test_a_message_in_two_queues_ships_once_for_the_queue_still_holding_it() -> None:
+    p = Primary()
+    p.c.rpc(1, C.Exchange.Declare(exchange="fan", exchange_type="fanout"))
+    for name in ("acked", "kept"):
+        p.c.rpc(1, C.Queue.Declare(queue=name))
+        p.c.rpc(1, C.Queue.Bind(queue=name, exchange="fan"))
+    p.c.send(1, C.Basic.Consume(queue="acked"))
+    p.ship()
+    p.c.publish(1, "fan", "", b"z" * 1000)
+    [(m, _)] = p.c.deliveries()
+    p.c.send(1, C.Basic.Ack(delivery_tag=m.delivery_tag))
+    batch = p.ship()
+    assert batch.count(b"z" * 1000) == 1
+    assert [len(q.messages) for q in p.view.broker.vhosts["/"].queues.values()] == [0, 1]
+    assert_promotes_to(p.view, p.h.broker)
+
+
+def test_a_message_requeued_and_dead_lettered_before_the_cut_ships_where_it_ends() -> None:
+    p = Primary()
+    p.c.rpc(1, C.Queue.Declare(queue="dlq"))
+    p.c.rpc(
+        1,
+        C.Queue.Declare(
+            queue="work",
+            arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": "dlq"},
+        ),
+    )
+    p.ship()
+    p.c.publish(1, "", "work", b"w" * 1000)
+    p.c.send(1, C.Basic.Get(queue="work"))
+    [(got, _)] = p.c.deliveries()
+    p.c.send(1, C.Basic.Nack(delivery_tag=got.delivery_tag, requeue=True))
+    p.c.send(1, C.Basic.Get(queue="work"))
+    [(again, _)] = p.c.deliveries()
+    assert again.redelivered
+    p.c.send(1, C.Basic.Reject(delivery_tag=again.delivery_tag, requeue=False))
+    batch = p.ship()
+    # Gone from work before the cut: only its place in dlq ships, with the body.
+    assert batch.count(b"w" * 1000) == 1
+    queues = p.view.broker.vhosts["/"].queues
+    assert not queues["work"].messages and len(queues["dlq"].messages) == 1
+    assert_promotes_to(p.view, p.h.broker)
+
+
 def view_names(b: Broker) -> list[tuple[str, str]]:
     return [(vh.name, q.name) for vh in b.vhosts.values() for q in vh.queues.values()]
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 import trio
 from pamqp import commands
 
-from cpgbroker.corosync.events import ConfChg, Member, MemberChange, Reason
+from cpgbroker.corosync.events import ConfChg, Deliver, Member, MemberChange, Reason
 from cpgbroker.model import snapshot
 from cpgbroker.model.events import ClientData, DoOutput
 from cpgbroker.model.shipping import messages
+from fakecpg import Bus
 from nodeharness import (
     Client,
     acks,
@@ -96,6 +97,51 @@ async def test_the_next_member_serves_what_the_backups_hold_when_the_primary_goe
         await b.submit(ClientData(client2.lc.id, publish_bytes(b"after")))
         await until(lambda: len(acks(client2)) == 1)
         assert messages(c.broker) == 5
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_batch_gathers_while_ours_is_in_flight_and_what_was_acked_meanwhile_stays() -> None:
+    async with trio.open_nursery() as nursery:
+        (a, b, c), cpgs = await start(nursery, 3, **CHANGES)
+        assert a.shipping is not None
+        client = await open_confirm_channel(a)
+        # On a connection of its own: a connection's output waits behind its held confirms.
+        consumer = await open_confirm_channel(a)
+        await consumer.send(1, commands.Basic.Consume(queue="q"))
+        await a.submit(DoOutput(consumer.lc.id, 100))
+        await until(lambda: a.shipping.shipped == a.shipping.delivered)  # type: ignore[union-attr]
+        # Every CPG message the primary multicasts from here on.
+        bus = cpgs[0].bus
+        sent: list[bytes] = []
+
+        def post(ev: object) -> None:
+            if isinstance(ev, Deliver) and ev.nodeid == cpgs[0].local_nodeid:
+                sent.append(ev.data)
+            Bus.post(bus, ev)
+
+        bus.post = post  # type: ignore[method-assign]
+        cpgs[0].paused = True  # the primary's own batches are not delivered back to it yet
+        shipped = a.shipping.shipped
+        await a.submit(ClientData(client.lc.id, publish_bytes(b"first")))
+        await until(lambda: a.shipping.shipped == shipped + 1)  # type: ignore[union-attr]
+        # While that batch is in flight the next one gathers: this message is published,
+        # delivered and acked before it is cut.
+        body = b"s" * 5000
+        await a.submit(ClientData(client.lc.id, publish_bytes(body)))
+        await until(lambda: delivered(consumer) == 2)
+        await consumer.send(1, commands.Basic.Ack(delivery_tag=2, multiple=True))
+        await trio.sleep(0.05)
+        assert a.shipping.shipped == shipped + 1
+        assert acks(client) == [], "no confirm before its batch is delivered everywhere"
+        cpgs[0].resume()
+        await until(lambda: len(acks(client)) == 2)
+        assert a.shipping.shipped == shipped + 2
+        assert a.shipping.elided == 1
+        assert not any(body in data for data in sent), "the acked message crossed the ring"
+        assert any(b"first" in data for data in sent)
+        await until(lambda: a.broker.event_seq == b.broker.event_seq == c.broker.event_seq)
+        assert messages(b.broker) == messages(c.broker) == 0
+        assert len({snapshot.digest(n.broker) for n in (a, b, c)}) == 1
         nursery.cancel_scope.cancel()
 
 

@@ -40,11 +40,23 @@ What is shipped is chosen here, by :attr:`replicate`:
   a promoted backup drops the rest of the definitions as a restart does;
 * ``"definitions"``: no message at all, only the definitions.
 
-The log holds records as tuples until the runtime takes them (:meth:`take`), once per batch of
-applied events; encoding them is ``model/replica.py``'s. Determinism: the log reads nothing
-but what the model hands it, and the records are in the order the model made the changes.
+The log holds records as tuples until the runtime takes them (:meth:`take`), once per batch;
+encoding them is ``model/shipping.py``'s. Determinism: the log reads nothing but what the model
+hands it, and the records are in the order the model made the changes.
 
-Owns: the records since the last :meth:`take`.
+**Elision.** A message that joins a queue and leaves it again between two takes (a consumer
+got it and acked it before its batch was cut) is never shipped: its ``released`` record
+replaces its ``enqueued``, ``delivered`` and ``requeued`` records by ``None``. A backup that
+never held it ends where one that held it and dropped it would, and the message's publisher
+still gets its confirm only once the batch is stable (the confirm waits for the batch being
+cut when it was published). Were the primary to die first, the consumer that acked it got it,
+and its publisher never got a confirm. Under load most messages live shorter than a batch
+(the runtime cuts the next batch only once the last came back: ``runtime/shipping.py``), so
+they cross the ring as a few bytes of nothing instead of their bodies. A message in two queues
+is elided from each on its own; the first record left of it carries its body.
+
+Owns: the records since the last :meth:`take`, where the records of each message that joined
+a queue since then are, and the bytes of message bodies they hold.
 """
 
 from __future__ import annotations
@@ -75,20 +87,31 @@ def ships_queue(q: Queue) -> bool:
 
 
 class ChangeLog:
-    __slots__ = ("records", "replicate", "structural")
+    __slots__ = ("_open", "bytes", "elided", "records", "replicate", "structural")
 
     def __init__(self, replicate: str = "all") -> None:
         if replicate not in REPLICATE:
             raise InvariantError(f"replicate must be one of {', '.join(REPLICATE)}")
         self.replicate = replicate
-        self.records: list[tuple[Any, ...]] = []
+        # None: a record of a message that left its queue before the take (elided).
+        self.records: list[tuple[Any, ...] | None] = []
+        # (queue, message id) -> where its records are, for a message that joined the queue
+        # since the last take and is still in it.
+        self._open: dict[tuple[Queue, int], list[int]] = {}
+        # Body bytes of the messages enqueued since the last take and not elided (what the
+        # next batch carries, roughly: a message in two queues counts twice).
+        self.bytes = 0
+        # Messages that joined a queue and left it between two takes: never shipped.
+        self.elided = 0
         # The definitions may have changed since the last take (module docstring).
         self.structural = True
 
-    def take(self) -> tuple[list[tuple[Any, ...]], bool]:
+    def take(self) -> tuple[list[tuple[Any, ...] | None], bool]:
         """The records since the last take, and whether the definitions may have changed."""
         records, structural = self.records, self.structural
         self.records = []
+        self._open = {}
+        self.bytes = 0
         self.structural = False
         return records, structural
 
@@ -114,18 +137,38 @@ class ChangeLog:
 
     def enqueued(self, q: Queue, e: Entry) -> None:
         if self._ships(q, e):
-            self.records.append((ENQUEUED, q, e.msg, e.expires_at))
+            records = self.records
+            self._open[(q, e.msg.id)] = [len(records)]
+            records.append((ENQUEUED, q, e.msg, e.expires_at))
+            self.bytes += len(e.msg.body)
 
     def delivered(self, q: Queue, e: Entry) -> None:
         if self._ships(q, e):
-            self.records.append((DELIVERED, q, e.msg.id))
+            records = self.records
+            at = self._open.get((q, e.msg.id))
+            if at is not None:
+                at.append(len(records))
+            records.append((DELIVERED, q, e.msg.id))
 
     def requeued(self, q: Queue, e: Entry) -> None:
         if self._ships(q, e):
-            self.records.append((REQUEUED, q, e.msg.id, e.redelivered, e.delivery_count))
+            records = self.records
+            at = self._open.get((q, e.msg.id))
+            if at is not None:
+                at.append(len(records))
+            records.append((REQUEUED, q, e.msg.id, e.redelivered, e.delivery_count))
 
     def released(self, q: Queue, e: Entry) -> None:
         if self._ships(q, e):
+            at = self._open.pop((q, e.msg.id), None)
+            if at is not None:
+                # It joined since the last take: a backup never needs to hear of it.
+                records = self.records
+                for i in at:
+                    records[i] = None
+                self.elided += 1
+                self.bytes -= len(e.msg.body)
+                return
             self.records.append((RELEASED, q, e.msg.id))
 
     def deleted(self, q: Queue) -> None:

@@ -50,7 +50,7 @@ from cpgbroker.model.replica import (
 
 
 def encode_batch(
-    records: list[tuple[Any, ...]],
+    records: list[tuple[Any, ...] | None],
     msg_seq: int,
     now_ms: int,
     definitions: bytes | None,
@@ -76,6 +76,8 @@ def encode_batch(
     sent: dict[int, None] = {}
     ref_id = REF_ID_S.pack
     for r in records:
+        if r is None:
+            continue
         kind = r[0]
         q: Queue = r[1]
         if kind == CREATED:

@@ -641,6 +641,8 @@ def member_status(node: ClusterNode, with_digest: bool) -> dict[str, Any]:
                     "batches": {
                         "shipped": node.shipping.shipped,
                         "stable": node.shipping.stable,
+                        # Messages acked before their batch was cut: never shipped.
+                        "elided": node.shipping.elided,
                     },
                 }
             ),

@@ -19,9 +19,15 @@ read, and what a backup promotes when it becomes primary.
   every member but one, as in active-active. Deliveries to consumers do not wait: a message a
   consumer got whose batch was lost with the primary was never confirmed to its publisher.
 * **Batches** are cut by :meth:`run` one scheduling round after an event was applied, so under
-  load one batch carries the events of many clients. **Flow control**: a reader whose batches
-  pile up in the multicast queue waits (:data:`QUEUE_LIMIT`); the multicaster holds the queue
-  while a backup lags.
+  load one batch carries the events of many clients, and only while fewer than
+  :data:`BATCHES_IN_FLIGHT` of ours are multicast and not yet delivered back (Nagle's rule
+  again: at a low rate nothing is in flight and the batch leaves at once). Under load the
+  next batch so gathers for a CPG round trip, time enough for most consumers to ack what they
+  were sent: a message that joined a queue and left it before its batch was cut never crosses
+  the ring (``model/changes.py``, "Elision"). A batch is cut anyway once it holds
+  :data:`CUT_BYTES` of bodies. **Flow control**: a reader whose batches pile up in the
+  multicast queue waits (:data:`QUEUE_LIMIT`); the multicaster holds the queue while a backup
+  lags.
 * **Time**: the serving broker ticks on this member's clock (:meth:`run`); the stream
   carries no ticks in this mode, and a replica never expires anything itself: the primary's
   batches say what expired.
@@ -69,6 +75,15 @@ log = logging.getLogger("cpgbroker.shipping")
 QUEUE_LIMIT = 8 * 2**20
 # How often a waiting reader looks at the queue again.
 QUEUE_RECHECK = 0.005
+# Our batches multicast and not yet delivered back at which the next one waits to be cut.
+# With 1, a 3-member cluster on one 2-core machine (1 KiB confirms, one consumer keeping up)
+# elides about half the messages and serves 44,300-46,600 msg/s; cutting a batch every
+# scheduling round elides a third and serves 39,400-42,200 (bench/broker_bench.py,
+# docs/performance.md). With 4 consumers both elide half.
+BATCHES_IN_FLIGHT = 1
+# Body bytes at which the next batch is cut even so: it stays well below what libcpg
+# multicasts in one piece (larger messages are sent in fragments, a round trip each).
+CUT_BYTES = 512 * 1024
 
 
 class Shipping:
@@ -100,6 +115,9 @@ class Shipping:
         self.delivered = 0
         self._unstable: collections.deque[tuple[int, int]] = collections.deque()
         self.stable = 0
+        # Set when the next batch may be cut although one is in flight (one came back, the
+        # next grew to CUT_BYTES, the role changed).
+        self._room = trio.Event()
         # Called after each batch is cut (the federation links' push queues may have grown).
         self.on_cut: Callable[[], None] = lambda: None
         # The member's held output and operators' answers (:meth:`waiting`), read when a
@@ -143,6 +161,9 @@ class Shipping:
         assert self.io is not None
         self.io.execute(b.apply(ev))
         self._due.set()
+        changes = b.changes
+        if changes is not None and changes.bytes >= CUT_BYTES:
+            self._room.set()
         while self._queued_bytes() > QUEUE_LIMIT and self.broker is not None:
             await trio.sleep(QUEUE_RECHECK)
 
@@ -157,7 +178,17 @@ class Shipping:
                 # are applied into this batch too. Under load a batch then carries many
                 # clients' events, and a backup pays its per-event costs once for them.
                 await trio.lowlevel.checkpoint()
+                await self._wait_for_room()
                 self.ship()
+
+    async def _wait_for_room(self) -> None:
+        """Until the next batch may be cut (module docstring, "Batches")."""
+        while self.shipped - self.delivered >= BATCHES_IN_FLIGHT:
+            b = self.broker
+            if b is None or b.changes is None or b.changes.bytes >= CUT_BYTES:
+                return
+            self._room = trio.Event()
+            await self._room.wait()
 
     def ship(self) -> None:
         """Multicast what the serving broker changed since the last batch, if anything, or
@@ -174,6 +205,12 @@ class Shipping:
         self.shipped += 1
         self._send(Changes(batch))
         self.on_cut()
+
+    @property
+    def elided(self) -> int:
+        """Messages the serving broker never shipped (``model/changes.py``, "Elision")."""
+        b = self.broker
+        return 0 if b is None or b.changes is None else b.changes.elided
 
     def batch_number(self) -> int:
         """The batch that will carry what is being applied now (what held output waits for)."""
@@ -215,6 +252,7 @@ class Shipping:
         """One of our batches was applied here as stream event ``seq``."""
         self.delivered += 1
         self._unstable.append((self.delivered, seq))
+        self._room.set()
 
     def stable_batch(self, stable_seq: int, durable_seq: int | None = None) -> tuple[int, int]:
         """The last of our batches applied by every ready member, given the stable event, and
@@ -242,6 +280,7 @@ class Shipping:
         # The batches numbered from here on are this primary's; none is in flight.
         self.shipped = self.delivered = self.stable = 0
         self._unstable.clear()
+        self._room.set()
         self.broker = b
         assert self.io is not None
         self.io.execute(b.apply(Tick(max(now_ms, b.now_ms))))
@@ -257,6 +296,7 @@ class Shipping:
         if self.broker is not None:
             log.warning("no longer the hot-standby primary: dropping the serving broker")
         self.broker = None
+        self._room.set()
 
     async def _ticker(self) -> None:
         """Cluster time for the serving broker: this member's clock, while it is primary."""
