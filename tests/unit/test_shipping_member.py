@@ -5,12 +5,15 @@ primary goes the next member serves what the backups hold."""
 
 from __future__ import annotations
 
+import pytest
 import trio
 from pamqp import commands
 
 from cpgbroker.corosync.events import ConfChg, Deliver, Member, MemberChange, Reason
+from cpgbroker.errors import InvariantError
 from cpgbroker.model import snapshot
 from cpgbroker.model.events import ClientData, DoOutput
+from cpgbroker.model.replica import Replication
 from cpgbroker.model.shipping import messages
 from fakecpg import Bus
 from nodeharness import (
@@ -142,6 +145,35 @@ async def test_a_batch_gathers_while_ours_is_in_flight_and_what_was_acked_meanwh
         await until(lambda: a.broker.event_seq == b.broker.event_seq == c.broker.event_seq)
         assert messages(b.broker) == messages(c.broker) == 0
         assert len({snapshot.digest(n.broker) for n in (a, b, c)}) == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_primary_whose_batch_fails_on_every_member_leaves_unconfirmed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch that every member fails alike (a bug: the cluster goes on without it) leaves
+    the primary's serving broker holding what no replica holds: what it would confirm must
+    not be confirmed, and the primary must give way rather than stop cutting batches."""
+    apply = Replication.apply
+
+    def failing(self: Replication, batch: bytes) -> None:
+        if b"poison" in batch:
+            raise InvariantError("a batch that does not apply")
+        apply(self, batch)
+
+    monkeypatch.setattr(Replication, "apply", failing)
+    async with trio.open_nursery() as nursery:
+        (a, b, c), _cpgs = await start(nursery, 3, **CHANGES)
+        client = await open_confirm_channel(a)
+        await a.submit(ClientData(client.lc.id, publish_bytes(b"first")))
+        await until(lambda: len(acks(client)) == 1)
+        await a.submit(ClientData(client.lc.id, publish_bytes(b"poison")))
+        await until(lambda: a.failure is not None)
+        await trio.sleep(0.2)
+        assert len(acks(client)) == 1, "a message in a batch no member took was confirmed"
+        # The backups went on without it, alike.
+        assert b.failure is None and c.failure is None
+        assert messages(b.broker) == messages(c.broker) == 1
         nursery.cancel_scope.cancel()
 
 
