@@ -128,7 +128,9 @@ async def start(
     return nodes, cpgs
 
 
-async def open_confirm_channel(node: ClusterNode, *, tx: bool = False) -> Client:
+async def open_confirm_channel(
+    node: ClusterNode, *, tx: bool = False, confirms: bool = True
+) -> Client:
     c = Client(node)
     await node.submit(ClientConnected(c.lc.id, node.member, "127.0.0.1:1", True))
     await node.submit(ClientData(c.lc.id, PROTOCOL_HEADER))
@@ -143,7 +145,10 @@ async def open_confirm_channel(node: ClusterNode, *, tx: bool = False) -> Client
     await c.send(0, commands.Connection.TuneOk(channel_max=64, frame_max=131072, heartbeat=0))
     await c.send(0, commands.Connection.Open(virtual_host="/"))
     await c.send(1, commands.Channel.Open())
-    await c.send(1, commands.Tx.Select() if tx else commands.Confirm.Select())
+    if tx:
+        await c.send(1, commands.Tx.Select())
+    elif confirms:
+        await c.send(1, commands.Confirm.Select())
     await c.send(1, commands.Queue.Declare(queue="q"))
     await until(lambda: any(isinstance(m, commands.Queue.DeclareOk) for m in c.methods()))
     return c

@@ -12,9 +12,10 @@ from pamqp import commands
 from cpgbroker.corosync.events import ConfChg, Deliver, Member, MemberChange, Reason
 from cpgbroker.errors import InvariantError
 from cpgbroker.model import snapshot
-from cpgbroker.model.events import ClientData, DoOutput
+from cpgbroker.model.events import ClientData, DoOutput, Tick
 from cpgbroker.model.replica import Replication
 from cpgbroker.model.shipping import messages
+from cpgbroker.runtime import shipping as shipping_module
 from fakecpg import Bus
 from nodeharness import (
     Client,
@@ -148,6 +149,58 @@ async def test_a_batch_gathers_while_ours_is_in_flight_and_what_was_acked_meanwh
         nursery.cancel_scope.cancel()
 
 
+async def test_a_batch_nobody_waits_for_lingers_and_what_was_consumed_meanwhile_never_ships(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(shipping_module, "LINGER", 0.5)
+    async with trio.open_nursery() as nursery:
+        (a, b, _c), _cpgs = await start(nursery, 3, **CHANGES)
+        shipping = a.shipping
+        assert shipping is not None
+        # Publisher and consumer without confirms: nobody waits for their batches.
+        publisher = await open_confirm_channel(a, confirms=False)
+        consumer = await open_confirm_channel(a, confirms=False)
+        await consumer.send(1, commands.Basic.Consume(queue="q", consumer_tag="c"))
+        await a.submit(DoOutput(consumer.lc.id, 100))
+
+        def settled() -> bool:
+            """Every batch cut and back, and nothing left to cut."""
+            changes = shipping.broker.changes  # type: ignore[union-attr]
+            assert changes is not None
+            return shipping.shipped == shipping.delivered and not (
+                changes.records or changes.structural
+            )
+
+        await until(settled)
+        shipped = shipping.shipped
+        started = trio.current_time()
+        for i in range(3):
+            await a.submit(ClientData(publisher.lc.id, publish_bytes(b"m%d" % i)))
+        await until(lambda: delivered(consumer) == 3)
+        await consumer.send(1, commands.Basic.Ack(delivery_tag=3, multiple=True))
+        assert trio.current_time() - started < 0.5
+        await trio.sleep(1.0)
+        assert shipping.shipped == shipped, "a batch of nothing but what was consumed went out"
+        assert shipping.elided == 3
+        # Messages nobody consumes ship once their batch lingered: one batch for them all.
+        await consumer.send(1, commands.Basic.Cancel(consumer_tag="c"))
+        await until(settled)
+        shipped = shipping.shipped
+        started = trio.current_time()
+        for i in range(3):
+            await a.submit(ClientData(publisher.lc.id, publish_bytes(b"k%d" % i)))
+        await until(lambda: messages(b.broker) == 3)
+        assert trio.current_time() - started >= 0.5
+        assert shipping.shipped == shipped + 1
+        # A publish whose confirm waits is cut at once.
+        confirmed = await open_confirm_channel(a)
+        started = trio.current_time()
+        await a.submit(ClientData(confirmed.lc.id, publish_bytes(b"c")))
+        await until(lambda: len(acks(confirmed)) == 1)
+        assert trio.current_time() - started < 0.5
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_primary_whose_batch_fails_on_every_member_leaves_unconfirmed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -169,6 +222,12 @@ async def test_a_primary_whose_batch_fails_on_every_member_leaves_unconfirmed(
         await until(lambda: len(acks(client)) == 1)
         await a.submit(ClientData(client.lc.id, publish_bytes(b"poison")))
         await until(lambda: a.failure is not None)
+        # Until its process ends the incarnation, nothing more is confirmed either: not by a
+        # later batch, nor by one cut for the output held (a tick's).
+        await a.shipping.submit(Tick(a.io.now_ms()))  # type: ignore[union-attr]
+        await trio.sleep(0.2)
+        assert len(acks(client)) == 1, "a message in a batch no member took was confirmed"
+        await a.submit(ClientData(client.lc.id, publish_bytes(b"after")))
         await trio.sleep(0.2)
         assert len(acks(client)) == 1, "a message in a batch no member took was confirmed"
         # The backups went on without it, alike.

@@ -976,6 +976,7 @@ class ClusterNode:
             # and what this batch would confirm is on no other member. Nothing it carries is
             # confirmed; the next member serves what every member holds.
             log.error("a change batch of this primary failed on every member: leaving")
+            shipping.lost()
             self.fail("a change batch of this primary failed to apply on every member")
 
     def _replay_kept(self, e: Any, sender: int) -> None:

@@ -24,7 +24,12 @@ read, and what a backup promotes when it becomes primary.
   again: at a low rate nothing is in flight and the batch leaves at once). Under load the
   next batch so gathers for a CPG round trip, time enough for most consumers to ack what they
   were sent: a message that joined a queue and left it before its batch was cut never crosses
-  the ring (``model/changes.py``, "Elision"). A batch is cut anyway once it holds
+  the ring (``model/changes.py``, "Elision"). A batch nobody waits for (no confirm,
+  tx.commit-ok or operator's answer is held for it, no definition changed) lingers up to
+  :data:`LINGER` even then: traffic without confirms (RPC requests, most often) then costs
+  the primary one batch per ``LINGER``, not one or two per message, and what was consumed
+  meanwhile never ships; what was published without a confirm reaches the backups that much
+  later, which AMQP never promised otherwise. A batch is cut anyway once it holds
   :data:`CUT_BYTES` of bodies. **Flow control**: a reader whose batches pile up in the
   multicast queue waits (:data:`QUEUE_LIMIT`); the multicaster holds the queue while a backup
   lags.
@@ -52,6 +57,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -84,6 +90,8 @@ BATCHES_IN_FLIGHT = 1
 # Body bytes at which the next batch is cut even so: it stays well below what libcpg
 # multicasts in one piece (larger messages are sent in fragments, a round trip each).
 CUT_BYTES = 512 * 1024
+# Seconds a batch nobody waits for may gather before it is cut (module docstring).
+LINGER = 0.01
 
 
 class Shipping:
@@ -116,8 +124,13 @@ class Shipping:
         self._unstable: collections.deque[tuple[int, int]] = collections.deque()
         self.stable = 0
         # Set when the next batch may be cut although one is in flight (one came back, the
-        # next grew to CUT_BYTES, the role changed).
+        # next grew to CUT_BYTES, the role changed), or although it lingers (someone waits
+        # for it now).
         self._room = trio.Event()
+        # The next batch lingers (nobody waits for it): a submit looks whether that changed.
+        self._lingering = False
+        # The number of our first batch that failed on every member (:meth:`lost`), if any.
+        self._lost: int | None = None
         # Called after each batch is cut (the federation links' push queues may have grown).
         self.on_cut: Callable[[], None] = lambda: None
         # The member's held output and operators' answers (:meth:`waiting`), read when a
@@ -162,7 +175,9 @@ class Shipping:
         self.io.execute(b.apply(ev))
         self._due.set()
         changes = b.changes
-        if changes is not None and changes.bytes >= CUT_BYTES:
+        if changes is not None and (
+            changes.bytes >= CUT_BYTES or (self._lingering and self._awaited(changes))
+        ):
             self._room.set()
         while self._queued_bytes() > QUEUE_LIMIT and self.broker is not None:
             await trio.sleep(QUEUE_RECHECK)
@@ -183,23 +198,49 @@ class Shipping:
 
     async def _wait_for_room(self) -> None:
         """Until the next batch may be cut (module docstring, "Batches")."""
-        while self.shipped - self.delivered >= BATCHES_IN_FLIGHT:
+        b = self.broker
+        if b is not None and b.changes is not None and not b.changes.records:
+            return  # nothing to gather for (a tick): :meth:`ship` cuts only what is awaited
+        linger_until = trio.current_time() + LINGER
+        while True:
             b = self.broker
             if b is None or b.changes is None or b.changes.bytes >= CUT_BYTES:
                 return
+            if self.shipped - self.delivered >= BATCHES_IN_FLIGHT:
+                until = math.inf
+            elif self._awaited(b.changes) or trio.current_time() >= linger_until:
+                return
+            else:
+                until = linger_until
+                self._lingering = True
             self._room = trio.Event()
-            await self._room.wait()
+            with trio.move_on_at(until):
+                await self._room.wait()
+            self._lingering = False
+
+    def _awaited(self, changes: ChangeLog) -> bool:
+        """Whether someone waits for the next batch: held output or an operator's answer
+        (any: a cheap look), or definitions that changed."""
+        confirms, desk = self._confirms, self._desk
+        return (
+            changes.structural
+            or confirms is None
+            or desk is None
+            or bool(confirms.holding or desk.unsettled)
+        )
 
     def ship(self) -> None:
         """Multicast what the serving broker changed since the last batch, if anything, or
         an empty batch when output waits for one."""
         b = self.broker
-        if b is None:
+        if b is None or self._lost is not None:
             return
         log_ = b.changes
         assert log_ is not None
         holding, durable = self.holding()
-        if not (log_.records or log_.structural or holding):
+        if not (log_.structural or holding or any(r is not None for r in log_.records)):
+            # Nothing happened, or all of it was elided: no batch at all.
+            log_.take()
             return
         batch = self._shipper.batch(b, confirms=holding, durable=durable)
         self.shipped += 1
@@ -254,6 +295,14 @@ class Shipping:
         self._unstable.append((self.delivered, seq))
         self._room.set()
 
+    def lost(self) -> None:
+        """Our next batch to come back failed on every member instead (the member leaves:
+        its serving broker holds what no replica does). Nothing it or a later batch carries is
+        confirmed, and no batch is cut any more."""
+        self.delivered += 1
+        if self._lost is None:
+            self._lost = self.delivered
+
     def stable_batch(self, stable_seq: int, durable_seq: int | None = None) -> tuple[int, int]:
         """The last of our batches applied by every ready member, given the stable event, and
         the last one every member's store holds (``durable_seq``; None: no store)."""
@@ -266,6 +315,8 @@ class Shipping:
             if seq > stable_seq:
                 break
             applied = batch
+        if self._lost is not None:
+            return min(applied, self._lost - 1), min(self.stable, self._lost - 1)
         return applied, self.stable
 
     # ------------------------------------------------------------------ role
@@ -279,6 +330,7 @@ class Shipping:
         self._shipper = Shipper()
         # The batches numbered from here on are this primary's; none is in flight.
         self.shipped = self.delivered = self.stable = 0
+        self._lost = None
         self._unstable.clear()
         self._room.set()
         self.broker = b
