@@ -154,12 +154,12 @@ async def open_confirm_channel(
     return c
 
 
-def publish_bytes(body: bytes) -> bytes:
+def publish_bytes(body: bytes, routing_key: str = "q") -> bytes:
     from pamqp import body as pbody
     from pamqp import header
 
     return (
-        frame.marshal(commands.Basic.Publish(exchange="", routing_key="q"), 1)
+        frame.marshal(commands.Basic.Publish(exchange="", routing_key=routing_key), 1)
         + frame.marshal(header.ContentHeader(0, len(body), commands.Basic.Properties()), 1)
         + frame.marshal(pbody.ContentBody(body), 1)
     )

@@ -199,8 +199,9 @@ class Shipping:
     async def _wait_for_room(self) -> None:
         """Until the next batch may be cut (module docstring, "Batches")."""
         b = self.broker
-        if b is not None and b.changes is not None and not b.changes.records:
-            return  # nothing to gather for (a tick): :meth:`ship` cuts only what is awaited
+        changes = None if b is None else b.changes
+        if changes is not None and not changes.records and not self._awaited(changes):
+            return  # nothing to gather for or cut (a tick): :meth:`ship` sends nothing
         linger_until = trio.current_time() + LINGER
         while True:
             b = self.broker
@@ -302,6 +303,7 @@ class Shipping:
         self.delivered += 1
         if self._lost is None:
             self._lost = self.delivered
+        self._room.set()
 
     def stable_batch(self, stable_seq: int, durable_seq: int | None = None) -> tuple[int, int]:
         """The last of our batches applied by every ready member, given the stable event, and
