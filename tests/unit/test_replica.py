@@ -238,16 +238,23 @@ def test_exclusive_reply_queues_never_cross_the_cluster() -> None:
     assert view_names(p.view.promote()) == [("/", "rpc")]
 
 
+def acked_before_the_cut(p: Primary, exchange: str, rk: str, body: bytes) -> ChangeLog:
+    """Publish ``body``, which the client's one consumer gets, and ack it: elided."""
+    p.c.publish(1, exchange, rk, body)
+    [(m, _)] = p.c.deliveries()
+    p.c.send(1, C.Basic.Ack(delivery_tag=m.delivery_tag))
+    log = p.h.broker.changes
+    assert log is not None and log.elided == 1
+    return log
+
+
 def test_a_message_acked_before_its_batch_is_cut_never_ships() -> None:
     p = Primary()
     p.c.rpc(1, C.Queue.Declare(queue="work"))
     p.c.send(1, C.Basic.Consume(queue="work"))
     p.ship()
-    p.c.publish(1, "", "work", b"x" * 1000)
-    [(first, _)] = p.c.deliveries()
-    p.c.send(1, C.Basic.Ack(delivery_tag=first.delivery_tag))
-    log = p.h.broker.changes
-    assert log is not None and log.elided == 1 and log.bytes == 0
+    log = acked_before_the_cut(p, "", "work", b"x" * 1000)
+    assert log.bytes == 0
     assert len(p.ship()) < 100  # its body, delivery and ack stayed on the primary
     assert p.view.messages == 0
     # Acked after its batch was cut, a message is in one batch and its ack in the next.
@@ -270,11 +277,7 @@ def test_a_message_in_two_queues_ships_once_for_the_queue_still_holding_it() -> 
         p.c.rpc(1, C.Queue.Bind(queue=name, exchange="fan"))
     p.c.send(1, C.Basic.Consume(queue="acked"))
     p.ship()
-    p.c.publish(1, "fan", "", b"z" * 1000)
-    [(m, _)] = p.c.deliveries()
-    p.c.send(1, C.Basic.Ack(delivery_tag=m.delivery_tag))
-    log = p.h.broker.changes
-    assert log is not None and log.elided == 1
+    acked_before_the_cut(p, "fan", "", b"z" * 1000)
     batch = p.ship()
     assert batch.count(b"z" * 1000) == 1
     assert b"acked" not in batch  # nothing of that queue's copy: not even its name
