@@ -149,9 +149,7 @@ async def test_a_batch_gathers_while_ours_is_in_flight_and_what_was_acked_meanwh
         nursery.cancel_scope.cancel()
 
 
-async def test_output_waiting_for_a_batch_without_records_still_waits_for_ours_in_flight() -> (
-    None
-):
+async def test_output_waiting_for_a_batch_without_records_still_waits_for_ours_in_flight() -> None:
     """Confirms of publishes that change nothing a backup holds (unroutable ones here, or to
     an exclusive queue) still wait for a batch; while ours is in flight it gathers them."""
     async with trio.open_nursery() as nursery:
