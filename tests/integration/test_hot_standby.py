@@ -51,6 +51,13 @@ def the_primary(bs: BrokerSet, nodes: list[int]) -> int:
     return node
 
 
+def ready(bs: BrokerSet, member: int, queue: str) -> int:
+    """Messages ready in ``queue`` as ``member``'s status shows them."""
+    status = bs.status(member)
+    assert status is not None
+    return int(status["queues"][f"/:{queue}"]["ready"])
+
+
 def until_confirmed(pub: ConfirmingPublisher, n: int, seconds: float, what: str) -> None:
     """Wait until ``pub`` has ``n`` confirms (failing with ``what`` after ``seconds``)."""
     deadline = time.monotonic() + seconds
@@ -219,6 +226,12 @@ def test_shipping_changes_a_backup_catches_up_from_the_back_while_a_consumer_eat
         ch.basic_publish("", "deep", b"%07d" % i + b"x" * 120)
     ch.confirm_delivery()  # the publishes before it are applied once this is answered
     conn.close()
+    # ... by the primary's serving broker; its replica, which the status reads, has them
+    # once their batch is cut: a batch no confirm waits for lingers (runtime/shipping.py).
+    deadline = time.monotonic() + 10
+    while (depth := ready(bs, primary, "deep")) != total and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert depth == total
     bs.kill(backup)
     consumed: list[bytes] = []
     stop = threading.Event()
@@ -238,10 +251,6 @@ def test_shipping_changes_a_backup_catches_up_from_the_back_while_a_consumer_eat
         cch.cancel()
         c.close()
 
-    status = bs.status(primary)
-    assert status is not None
-    depth = status["queues"]["/:deep"]["ready"]
-    assert depth == total, status
     reader = threading.Thread(target=consume, daemon=True)
     bs.start(backup)
     reader.start()

@@ -81,7 +81,6 @@ from cpgbroker.corosync.events import (
 from cpgbroker.errors import ClusterError
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.events import (
-    Changes,
     ClientConnected,
     ClientData,
     MemberLeft,
@@ -965,18 +964,8 @@ class ClusterNode:
             self.broker.fail_event(e, "internal error while processing this connection")
         )
         self._after_apply(e, sender, failed=True)
-        shipping = self.shipping
-        if (
-            shipping is not None
-            and shipping.active
-            and sender == self.member
-            and type(e) is Changes
-        ):
-            # Our serving broker holds what no replica could take: they no longer match it,
-            # and what this batch would confirm is on no other member. Nothing it carries is
-            # confirmed; the next member serves what every member holds.
+        if self.shipping is not None and self.shipping.failed(e, sender):
             log.error("a change batch of this primary failed on every member: leaving")
-            shipping.lost()
             self.fail("a change batch of this primary failed to apply on every member")
 
     def _replay_kept(self, e: Any, sender: int) -> None:

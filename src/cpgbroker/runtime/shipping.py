@@ -129,7 +129,7 @@ class Shipping:
         self._room = trio.Event()
         # The next batch lingers (nobody waits for it): a submit looks whether that changed.
         self._lingering = False
-        # The number of our first batch that failed on every member (:meth:`lost`), if any.
+        # The number of our first batch that failed on every member (:meth:`failed`), if any.
         self._lost: int | None = None
         # Called after each batch is cut (the federation links' push queues may have grown).
         self.on_cut: Callable[[], None] = lambda: None
@@ -198,18 +198,19 @@ class Shipping:
 
     async def _wait_for_room(self) -> None:
         """Until the next batch may be cut (module docstring, "Batches")."""
-        b = self.broker
-        changes = None if b is None else b.changes
-        if changes is not None and not changes.records and not self._awaited(changes):
-            return  # nothing to gather for or cut (a tick): :meth:`ship` sends nothing
         linger_until = trio.current_time() + LINGER
         while True:
             b = self.broker
-            if b is None or b.changes is None or b.changes.bytes >= CUT_BYTES:
+            changes = None if b is None else b.changes
+            if changes is None or changes.bytes >= CUT_BYTES:
                 return
             if self.shipped - self.delivered >= BATCHES_IN_FLIGHT:
                 until = math.inf
-            elif self._awaited(b.changes) or trio.current_time() >= linger_until:
+            elif (
+                not changes.records  # nothing to gather for (:meth:`ship` cuts what is awaited)
+                or self._awaited(changes)
+                or trio.current_time() >= linger_until
+            ):
                 return
             else:
                 until = linger_until
@@ -296,14 +297,18 @@ class Shipping:
         self._unstable.append((self.delivered, seq))
         self._room.set()
 
-    def lost(self) -> None:
-        """Our next batch to come back failed on every member instead (the member leaves:
-        its serving broker holds what no replica does). Nothing it or a later batch carries is
-        confirmed, and no batch is cut any more."""
+    def failed(self, ev: Any, sender: int) -> bool:
+        """The stream failed ``ev`` of ``sender`` on every member alike: whether it was a batch
+        of ours, which this member must leave for. Its serving broker holds what no replica
+        does, so nothing that batch or a later one carries is confirmed, and no batch is cut
+        any more (the next member serves what every member holds)."""
+        if self.broker is None or sender != self.member or type(ev) is not Changes:
+            return False
         self.delivered += 1
         if self._lost is None:
             self._lost = self.delivered
         self._room.set()
+        return True
 
     def stable_batch(self, stable_seq: int, durable_seq: int | None = None) -> tuple[int, int]:
         """The last of our batches applied by every ready member, given the stable event, and
