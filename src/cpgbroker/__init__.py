@@ -1,7 +1,6 @@
 """cpgbroker: an AMQP 0-9-1 broker that forms an active-active cluster on corosync CPG."""
 
-__version__ = "0.1.0"
-
-# Bumped whenever the model's replicated behaviour or snapshot format changes: every member of a
-# cluster must run the same model version, and a newcomer of another version is refused.
-MODEL_VERSION = 7
+# The release (semantic versioning; CHANGELOG.md has a section per release). The model versions
+# a release applies are in cpgbroker.model.versions; tests/upgrade/releases.toml lists the
+# releases it upgrades from.
+__version__ = "0.2.0"

@@ -26,6 +26,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return audit_main(args[1:])
     parser = argparse.ArgumentParser(prog="cpgbroker")
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=_version_text(),
+        help="print the release and the model versions it applies",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     start = sub.add_parser("start", help="run a broker (standalone, or a cluster member)")
     start.add_argument("--config", help="TOML configuration file")
@@ -124,6 +130,18 @@ def main(argv: list[str] | None = None) -> int:
         parents=[admin_url, stop_opts],
         help="stop every member cleanly at the same point of the event order",
     )
+    finish = cluster_sub.add_parser(
+        "upgrade-finish",
+        parents=[admin_url],
+        help="move the whole cluster to the newest model version every member applies, at one "
+        "event (after every member runs the new release; no rollback to the old release after)",
+    )
+    finish.add_argument(
+        "--model-version",
+        type=int,
+        default=None,
+        help="the model version to move to (default: the newest this member applies)",
+    )
     member = sub.add_parser("member", help="act on one member")
     member_sub = member.add_subparsers(dest="action", required=True)
     member_stop = member_sub.add_parser(
@@ -172,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
             from cpgbroker.runtime import ctl as ctl_commands
 
             return ctl_commands.run(target, ns.ctl_args)
+        if ns.command == "cluster" and ns.action == "upgrade-finish":
+            return _upgrade_finish(target, ns.model_version)
         return _stop(target, getattr(ns, "id", 0), ns.timeout)
     parser.error(f"unknown command {ns.command}")
     return 2
@@ -279,6 +299,37 @@ def _stop(target: AdminTarget, member: int, timeout: float) -> int:
     return 1
 
 
+def _version_text() -> str:
+    from cpgbroker import __version__
+    from cpgbroker.model.versions import NEWEST, OLDEST
+
+    return f"cpgbroker {__version__} (model versions {OLDEST} to {NEWEST})"
+
+
+def _upgrade_finish(target: AdminTarget, version: int | None) -> int:
+    """POST /upgrade-finish: the cluster moves up at one event, if every member applies the
+    version (the answer says which member does not)."""
+    from cpgbroker.runtime.adminclient import request
+
+    try:
+        http, answer = request(
+            target, "POST", "/upgrade-finish", {} if version is None else {"version": version}
+        )
+    except OSError as e:
+        print(f"cpgbroker: cannot reach {target.base}: {e}", file=sys.stderr)
+        return 1
+    if http >= 300:
+        why = answer.get("reason") or answer.get("error", "")
+        print(f"cpgbroker: upgrade-finish refused ({http}): {why}", file=sys.stderr)
+        return 1
+    was, now = answer.get("was"), answer.get("model_version")
+    if was == now:
+        print(f"the cluster already runs model version {now}")
+    else:
+        print(f"the cluster runs model version {now} (was {was})")
+    return 0
+
+
 def _hash_password() -> int:
     import getpass
     import os
@@ -312,6 +363,23 @@ def _status(target: AdminTarget, as_json: bool) -> int:
         print(json.dumps(data, indent=2))
         return 0
     print(f"state: {data.get('state')}  event_seq: {data.get('event_seq')}")
+    sw = data.get("software") or {}
+    lo, hi = (sw.get("model_versions") or ["?", "?"])[:2]
+    print(
+        f"software: cpgbroker {sw.get('release', '?')} (model versions {lo} to {hi})  "
+        f"model version: {data.get('model_version')}"
+    )
+    up = data.get("upgrade")
+    if up and (up.get("pending") or len(up.get("releases") or []) > 1):
+        print(
+            f"upgrade: members run {', '.join(up.get('releases') or [])}; every member applies "
+            f"model version {up.get('newest_all_apply')}"
+            + (
+                "; 'cpgbroker cluster upgrade-finish' moves the cluster to it"
+                if up.get("pending")
+                else ""
+            )
+        )
     q = data.get("quorum")
     if q:
         votes = f"votes {q.get('votes', '?')}/{q.get('expected_votes', '?')}"
@@ -338,7 +406,7 @@ def _status(target: AdminTarget, as_json: bool) -> int:
                 f"their batch left (never shipped): {b.get('elided', 0)}"
             )
         for m in data.get("members", []):
-            print(f"  member {m['member']}  {m['status']:8}  {m['url']}")
+            print(f"  member {m['member']}  {m['status']:8}  {m['url']}  {m.get('software', '')}")
         cp = data.get("checkpoint")
         if cp:
             agreed = "agreed" if cp["agreed"] else "DIVERGED"

@@ -1,7 +1,8 @@
 """Fixtures for tests against a real corosync cluster in network namespaces.
 
 The cluster fixtures (``cluster_support``, ``dev_cluster``, ``cluster``, ``brokers``,
-``broker_set``, ``cpg_on``, ``dispatch_until``) are the pytest plugin
+``broker_set``, ``cpg_on``, ``dispatch_until``) and ``releases`` (earlier releases built from
+the repository's history, for upgrade tests) are the pytest plugin
 :mod:`cpgbroker.dev.fixtures`, which says what each one does. They need root, ``ip`` and
 corosync: where that is missing their tests are skipped with the reason, except on CI
 (``CI=true``), where they fail instead.
@@ -24,6 +25,7 @@ from cpgbroker.dev.fixtures import (  # noqa: F401  (fixtures: found by name)
     cpg_on,
     dev_cluster,
     dispatch_until,
+    releases,
     require_cluster_support,
 )
 

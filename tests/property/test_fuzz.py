@@ -17,7 +17,12 @@ from pamqp import commands as C
 from pamqp import decode, encode
 from pamqp import header as H
 
-from cpgbroker.model.deadletter import dead_letter_header
+from cpgbroker.model.deadletter import (
+    dead_letter_header,
+    dead_letter_header_exact,
+    is_cycle,
+    is_cycle_exact,
+)
 from cpgbroker.model.entities import Message
 from cpgbroker.wire.fastpath import parse_content_header, with_delivery_count
 from cpgbroker.wire.tables import MAX_TABLE_DEPTH, TableError, check_table
@@ -82,15 +87,32 @@ def test_deeper_tables_are_refused_without_recursion(depth: int) -> None:
 
 def _dead_letter(hdr: bytes, span: tuple[int, int] | None) -> None:
     msg = Message(1, "ex", "rk", hdr, b"", 1, None, span)
-    dead_letter_header(msg, SimpleNamespace(name="q"), "expired", 0)  # type: ignore[arg-type]
+    dead = dead_letter_header(msg, SimpleNamespace(name="q"), "expired", 0)  # type: ignore[arg-type]
+    is_cycle(dead, "q")
     msg.headers()
     with_delivery_count(hdr, 3)
+
+
+def _dead_letter_exact(hdr: bytes) -> None:
+    """Model version 8: whatever the parser accepts without pamqp's round trip survives the
+    exact dead-lettering and redelivery, and their results parse again."""
+    try:
+        info = parse_content_header(hdr, roundtrip=False)
+    except (ValueError, IndexError):
+        return
+    msg = Message(1, "ex", "rk", hdr, b"", 1, None, info.headers_span)
+    dead = dead_letter_header_exact(msg, SimpleNamespace(name="q"), "expired", 0)  # type: ignore[arg-type]
+    parse_content_header(dead, roundtrip=False)
+    is_cycle_exact(dead, "q")
+    msg.headers()
+    parse_content_header(with_delivery_count(hdr, 3, exact=True), roundtrip=False)
 
 
 @given(st.binary(max_size=80))
 @settings(max_examples=400)
 def test_any_content_header_is_refused_or_survives_everything_done_later(props: bytes) -> None:
     hdr = struct.pack(">HHQ", 60, 0, 0) + props
+    _dead_letter_exact(hdr)
     try:
         info = parse_content_header(hdr)
     except (ValueError, IndexError):
@@ -114,6 +136,7 @@ def test_any_headers_table_is_refused_or_survives_everything_done_later(
     if flags & 0x0040:
         props += struct.pack(">Q", 1_700_000_000)
     hdr = struct.pack(">HHQH", 60, 0, 0, flags) + props
+    _dead_letter_exact(hdr)
     try:
         info = parse_content_header(hdr)
     except ValueError:

@@ -13,6 +13,7 @@ from pamqp import header
 from test_snapshot import assert_indistinguishable
 
 from cpgbroker.model import snapshot as S
+from cpgbroker.model.broker import Broker
 from cpgbroker.wire.framer import frame
 from modelclient import Client, Harness
 
@@ -30,8 +31,8 @@ def _raw_publish(ch: int, exchange: str, rk: str, body: bytes) -> bytes:
     )
 
 
-def _client(emit: bool) -> tuple[Harness, Client]:
-    h = Harness()
+def _client(emit: bool, version: int | None = None) -> tuple[Harness, Client]:
+    h = Harness(None if version is None else Broker(version=version))
     c = h.connect(1)
     c.handshake()
     c.channel(1)
@@ -103,13 +104,13 @@ def _codes(c: Client) -> list[tuple[str, int]]:
     return close_codes(bytes(c.h.out.pop(c.conn, b"")))
 
 
-def _both(send: Any) -> list[tuple[str, int]]:
+def _both(send: Any, version: int | None = None) -> list[tuple[str, int]]:
     """Run ``send(client)`` on an owner and a shadow replica: no exception, same state."""
     from modelclient import close_codes
 
     digests, codes = [], []
     for emit in (True, False):
-        h, c = _client(emit)
+        h, c = _client(emit, version)
         c.recv()
         send(c)
         digests.append(S.digest(h.broker))
@@ -199,13 +200,26 @@ def _headers_header(table: bytes, flags: int = 0x2000) -> bytes:
         struct.pack(">I", 8) + b"\x01aS\x00\x00\x00\x09",  # value past its table
         struct.pack(">I", 3) + b"\x01\xff" + b"t",  # key not UTF-8
         struct.pack(">I", 11) + b"\x01aT" + struct.pack(">Q", 2**64 - 1),  # year > 9999
-        struct.pack(">I", 9) + b"\x01aS\x00\x00\x00\x02\xff\xfe",  # not UTF-8: not re-encodable
-        struct.pack(">I", 8) + b"\x01aD\x00\xff\xff\xff\xff",  # mantissa > 2**31-1
-        struct.pack(">I", 11) + b"\x01ad" + struct.pack(">d", 1e300),  # beyond float32
     ],
 )
-def test_a_poison_headers_table_is_refused_at_publish_with_501(table: bytes) -> None:
-    assert _both(_publish_with_header(_headers_header(table))) == [("connection", 501)]
+@pytest.mark.parametrize("version", [7, 8])
+def test_a_poison_headers_table_is_refused_at_publish_with_501(table: bytes, version: int) -> None:
+    codes = _both(_publish_with_header(_headers_header(table)), version)
+    assert codes == [("connection", 501)]
+
+
+# Values pamqp cannot write again: model version 7 refuses them at publish, 8 takes them.
+PAMQP_CANNOT_WRITE = [
+    struct.pack(">I", 9) + b"\x01aS\x00\x00\x00\x02\xff\xfe",  # long string, not UTF-8
+    struct.pack(">I", 8) + b"\x01aD\x00\xff\xff\xff\xff",  # mantissa > 2**31-1
+    struct.pack(">I", 11) + b"\x01ad" + struct.pack(">d", 1e300),  # beyond float32
+]
+
+
+@pytest.mark.parametrize("table", PAMQP_CANNOT_WRITE)
+def test_values_pamqp_cannot_write_are_501_at_model_version_7_only(table: bytes) -> None:
+    assert _both(_publish_with_header(_headers_header(table)), 7) == [("connection", 501)]
+    assert _both(_publish_with_header(_headers_header(table)), 8) == []
 
 
 def test_a_short_string_property_that_is_not_utf8_is_501() -> None:
@@ -216,19 +230,25 @@ def test_a_short_string_property_that_is_not_utf8_is_501() -> None:
 @pytest.mark.parametrize(
     "xdeath", [5, 1.5, {"x": [{"count": "many", "queue": "q", "reason": "expired"}]}]
 )
-def test_an_x_death_header_dead_lettering_could_not_count_is_406(xdeath: Any) -> None:
+def test_an_x_death_header_dead_lettering_could_not_count_is_406_at_version_7(
+    xdeath: Any,
+) -> None:
+    """Version 8 takes it, and dead-letters it as RabbitMQ does (test_deadletter_exact.py)."""
     from pamqp import encode
 
     value = xdeath["x"] if isinstance(xdeath, dict) else xdeath
     table = encode.field_table({"x-death": value})
-    codes = _both(_publish_with_header(_headers_header(table)))
-    assert codes == [("channel", 406)]
+    assert _both(_publish_with_header(_headers_header(table)), 7) == [("channel", 406)]
+    assert _both(_publish_with_header(_headers_header(table)), 8) == []
 
 
-def test_messages_accepted_at_publish_survive_headers_routing_dead_letters_and_ttl() -> None:
+@pytest.mark.parametrize("version", [7, 8])
+def test_messages_accepted_at_publish_survive_headers_routing_dead_letters_and_ttl(
+    version: int,
+) -> None:
     """Every value type pamqp knows, nested, through a headers exchange, then expired into a
     dead-letter queue whose consumer is another client: nobody gets a close."""
-    h = Harness()
+    h = Harness(Broker(version=version))
     pub = h.connect(1)
     pub.handshake()
     pub.channel(1)

@@ -14,6 +14,7 @@ from cpgbroker.cluster.membership import (
     Membership,
     NeedUpdate,
     ResumeState,
+    StartAt,
 )
 from cpgbroker.cluster.quorum import (
     HOLD,
@@ -142,6 +143,7 @@ def test_members_that_take_an_update_from_the_resumer_wait_for_it() -> None:
 def test_without_kept_state_the_cluster_starts_empty_as_before() -> None:
     actions = rejoin(1, {})
     assert actions == [
+        StartAt(1),
         ApplyToModel(Tick(3000)),
         BecomeReady(),
         ApplyToModel(ClusterMembers(("amqp://m1/", "amqp://m2/", "amqp://m3/"))),

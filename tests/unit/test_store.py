@@ -28,6 +28,7 @@ from cpgbroker.model.events import (
     Tick,
 )
 from cpgbroker.model.shipping import Shipper
+from cpgbroker.model.versions import NEWEST
 from cpgbroker.store import meta, records
 from cpgbroker.store.disk import OsDisk, SimDisk, StoreCorrupt
 from cpgbroker.store.store import Recovery, Store, StoreMismatch, StoreSettings
@@ -38,7 +39,7 @@ DIR = "/store"
 
 def _store(disk: SimDisk, snapshot_bytes: int = 1 << 30, group: str = "g") -> Store:
     s = StoreSettings(DIR, fsync="always", segment_bytes=4096, snapshot_bytes=snapshot_bytes)
-    return Store(s, group, 5, disk=disk)
+    return Store(s, group, NEWEST, disk=disk)
 
 
 def _open(store: Store, next_seq: int = 1) -> list[int]:
@@ -242,7 +243,7 @@ def test_a_store_being_replaced_recovers_nothing_until_its_new_base_is_durable()
 def test_replacing_state_on_disk_means_nothing_to_recover() -> None:
     disk = SimDisk()
     disk.makedirs(DIR)
-    meta.save(disk, DIR, meta.Meta("g", 5, 1, 0, None, meta.REPLACING))
+    meta.save(disk, DIR, meta.Meta("g", NEWEST, 1, 0, None, meta.REPLACING))
     assert _store(disk).recover(Broker().config) is None
 
 
@@ -256,7 +257,7 @@ def test_a_store_whose_replacement_never_finished_starts_afresh() -> None:
     assert store.syncer is not None
     store.syncer.barrier()
     # The member crashed while a state update replaced its store.
-    meta.save(disk, DIR, meta.Meta("g", 5, 1, 0, None, meta.REPLACING))
+    meta.save(disk, DIR, meta.Meta("g", NEWEST, 1, 0, None, meta.REPLACING))
     again = _store(disk)
     assert again.recover(b.config) is None
     _open(again)  # journals from event 1 again, over nothing
@@ -272,13 +273,13 @@ def test_a_store_whose_replacement_never_finished_starts_afresh() -> None:
 def test_recovery_from_a_snapshot_on_the_real_file_system(tmp_path: Path) -> None:
     events = generate(21, steps=300)
     settings_ = StoreSettings(str(tmp_path / "s"), segment_bytes=4096, snapshot_bytes=3000)
-    store = Store(settings_, "g", 5, disk=OsDisk())
+    store = Store(settings_, "g", NEWEST, disk=OsDisk())
     store.open(1, lambda _s: None, lambda _e: None)
     b = Broker()
     _feed(store, b, events)
     assert store.snapshots_taken >= 2
     store.close(clean=True, last_seq=b.event_seq)
-    rec = Store(settings_, "g", 5, disk=OsDisk()).recover(b.config)
+    rec = Store(settings_, "g", NEWEST, disk=OsDisk()).recover(b.config)
     assert rec is not None and rec.clean and rec.seq == len(events)
     assert snapshot.digest(rec.broker) == snapshot.digest(b)
 

@@ -15,6 +15,7 @@ the same event sequence.
 
 from __future__ import annotations
 
+import re
 import struct
 from typing import Any
 
@@ -75,8 +76,11 @@ STATUS_NAMES = {STATUS_NEW: "new", STATUS_READY: "ready"}
 class Hello:
     """A member announces itself after joining, and ready members answer every join.
 
-    ``model_version`` and ``config_digest`` must match for members to share state; ``status``
-    says whether the sender already serves (its state is not the empty initial state).
+    ``config_digest`` must match for members to share state, and the cluster's model version
+    must be one each member applies (cluster/membership.py): ``model_version`` is the version
+    of the sender's state (a member without state announces the lowest it applies), and
+    ``software`` says which versions it applies (:func:`software_range`). ``status`` says
+    whether the sender already serves (its state is not the empty initial state).
     """
 
     member: int
@@ -95,6 +99,28 @@ class Hello:
     # numbers its events alike on every member: nothing is applied in an inquorate ring).
     recover_epoch: int = 0
     recover_seq: int = 0
+
+
+# A Hello's ``software`` names the release and, since release 0.2.0, the model versions it
+# applies: "cpgbroker 0.2.0 (models 7-8)". The range rides in this text, which release 0.1.0
+# shows without reading it, because 0.1.0's decoder refuses a Hello with any field more: a new
+# member must be able to join a cluster of old ones. A Hello without a range (0.1.0) applies
+# only the ``model_version`` it announces.
+_RANGE = re.compile(r" \(models (\d+)-(\d+)\)$")
+
+
+def software_label(release: str, oldest: int, newest: int) -> str:
+    """What a member announces as its software: its release and the model versions it applies."""
+    return f"cpgbroker {release} (models {oldest}-{newest})"
+
+
+def software_range(h: Hello) -> tuple[int, int]:
+    """The model versions the sender of ``h`` applies (lowest, highest)."""
+    m = _RANGE.search(h.software)
+    if m is None:
+        return h.model_version, h.model_version
+    lo, hi = int(m.group(1)), int(m.group(2))
+    return (lo, hi) if lo <= hi else (h.model_version, h.model_version)
 
 
 @attrs.frozen

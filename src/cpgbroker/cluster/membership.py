@@ -38,7 +38,7 @@ from typing import Any
 
 import attrs
 
-from cpgbroker.cluster.codec import STATUS_NEW, STATUS_READY, Hello
+from cpgbroker.cluster.codec import STATUS_NEW, STATUS_READY, Hello, software_range
 from cpgbroker.model.events import ClusterMembers, MemberLeft, Tick
 
 JOINING = "joining"
@@ -75,6 +75,13 @@ class Fatal:
 
 
 @attrs.frozen
+class StartAt:
+    """The members starting a cluster afresh start their empty state at model ``version``."""
+
+    version: int
+
+
+@attrs.frozen
 class ResumeState:
     """This member resumes the state it kept when quorum was lost (then :class:`BecomeReady`);
     cluster time goes on from ``start_ms`` at the earliest."""
@@ -82,7 +89,7 @@ class ResumeState:
     start_ms: int
 
 
-Action = SendHello | BecomeReady | ApplyToModel | NeedUpdate | Fatal | ResumeState
+Action = SendHello | BecomeReady | ApplyToModel | NeedUpdate | Fatal | ResumeState | StartAt
 
 
 def member_id(nodeid: int, pid: int) -> int:
@@ -99,6 +106,10 @@ class MemberInfo:
     now_ms: int = 0
     recover_epoch: int = 0
     recover_seq: int = 0
+    # The model versions it applies (lowest, highest): from its hello (codec.software_range).
+    versions: tuple[int, int] = (0, 0)
+    # The model version of its state, as its last hello said.
+    model_version: int = 0
 
 
 class Membership:
@@ -110,13 +121,19 @@ class Membership:
         config_digest: bytes,
         url: str,
         recover_quorum: int = 0,
+        supported: tuple[int, int] | None = None,
     ) -> None:
         self.me = me
         self.size = size
         # When some member offers kept state, this many members suffice to decide whose is
         # resumed (``[store] recover_with = "majority"``); 0: ``size``.
         self.recover_quorum = recover_quorum
+        # The model version of this member's state: the cluster's once ready; before, that of
+        # the state it kept, or (none kept) the lowest it applies, which is what it announces,
+        # so that members of a release applying only that version accept it.
         self.model_version = model_version
+        # The model versions this software applies (model/versions.py).
+        self.supported = supported or (model_version, model_version)
         self.config_digest = config_digest
         self.url = url
         self.state = JOINING
@@ -146,10 +163,18 @@ class Membership:
     def adopt(self, rows: list[list[Any]]) -> None:
         """Take over an updater's view at the update point: from there on this member follows
         the stream exactly as the members that were there from the start."""
-        self.members = {
-            r[0]: MemberInfo(r[0], None if r[1] < 0 else r[1], r[2], r[3], r[4]) for r in rows
-        }
+        v = self.model_version  # the updater's state's, installed before
+        self.members = {}
+        for r in rows:
+            info = MemberInfo(r[0], None if r[1] < 0 else r[1], r[2], r[3], r[4])
+            # The rows keep their format (a release before 0.2.0 reads them): the versions a
+            # member applies come from its software, as from its hello.
+            info.versions = software_range(Hello(r[0], 0, v, b"", r[2], r[3]))
+            info.model_version = v
+            self.members[r[0]] = info
         self.members.setdefault(self.me, MemberInfo(self.me, STATUS_NEW, self.url))
+        self.members[self.me].versions = self.supported
+        self.members[self.me].model_version = v
         self.joined = True
         self.state = READY
 
@@ -203,25 +228,21 @@ class Membership:
         info = self.members.get(h.member)
         if info is None or not self.joined:
             return []  # from a member that already left, or before our own join
-        if h.model_version != self.model_version or h.config_digest != self.config_digest:
-            if h.member == self.me:
-                return []
+        versions = software_range(h)
+        if h.member != self.me and (
+            h.config_digest != self.config_digest or not self._compatible(h, versions)
+        ):
             if self.state == JOINING and h.status == STATUS_READY:
                 self.state = FAILED
-                what = (
-                    f"model version {h.model_version} (ours {self.model_version})"
-                    if h.model_version != self.model_version
-                    else "a different configuration (users, vhosts, limits or cluster name)"
-                )
-                return [
-                    Fatal(
-                        f"the running cluster has {what}; a member must run the same software "
-                        "and configuration as the cluster it joins"
-                    )
-                ]
+                return [Fatal(self._refusal(h))]
             # An incompatible newcomer: it refuses itself; never count it as a member.
             info.status = None
             return []
+        info.versions = versions
+        info.model_version = h.model_version
+        if self.state == JOINING and h.status == STATUS_READY and h.member != self.me:
+            # The cluster's version: this member's from its state update on.
+            self.model_version = h.model_version
         info.url = h.url
         info.software = h.software
         info.now_ms = h.now_ms
@@ -262,6 +283,74 @@ class Membership:
             info.status = STATUS_NEW
         return self._maybe_ready() if self.state == JOINING else []
 
+    def _compatible(self, h: Hello, versions: tuple[int, int]) -> bool:
+        """Whether the sender of ``h`` and this member can share one model version."""
+        lo, hi = versions
+        if self.state == READY:
+            # A newcomer applies what the cluster runs, or refuses itself. A serving member's
+            # hello sent before the cluster moved up may arrive after: its range still holds.
+            return lo <= self.model_version <= hi
+        if h.status == STATUS_READY:
+            return self.supported[0] <= h.model_version <= self.supported[1]
+        # Members starting (or restarting) together: some version both apply.
+        return max(lo, self.supported[0]) <= min(hi, self.supported[1])
+
+    def _refusal(self, h: Hello) -> str:
+        """Why this member cannot join the cluster that ``h``'s sender serves."""
+        if h.config_digest != self.config_digest:
+            return (
+                "the running cluster has a different configuration (users, vhosts, limits or "
+                "cluster name); a member must run the same configuration as the cluster it joins"
+            )
+        lo, hi = self.supported
+        v = h.model_version
+        what = (
+            f"start this member with a release that applies model version {v} (its software "
+            f"says: {h.software})"
+            if v > hi
+            else "this release no longer applies that version: upgrade through a release that "
+            f"applies both model versions {v} and {lo} first"
+        )
+        return (
+            f"the running cluster runs model version {v}; this member's software applies model "
+            f"versions {lo} to {hi}: {what}"
+        )
+
+    def refuse_version(self, version: int) -> str | None:
+        """Why the cluster cannot move to model ``version`` now (None: it can): every member
+        that announced itself must apply it. Decided at a point of the stream, so alike on
+        every member (the operator's ``cluster upgrade-finish``, model/admin.py)."""
+        if version < self.model_version:
+            return (
+                f"the cluster runs model version {self.model_version}: model versions only move up"
+            )
+        behind = [
+            f"member {i.member} ({i.software or 'unknown software'}: model versions "
+            f"{i.versions[0]} to {i.versions[1]})"
+            for i in self.members.values()
+            if i.status is not None and not i.versions[0] <= version <= i.versions[1]
+        ]
+        if behind:
+            return (
+                f"not every member applies model version {version}: "
+                + ", ".join(behind)
+                + "; upgrade those members first"
+            )
+        return None
+
+    def upgrade_status(self) -> dict[str, Any]:
+        """Where the cluster stands in an upgrade: the model version it runs, the newest every
+        member applies (``cluster upgrade-finish`` moves it there), and the releases its
+        members run (more than one: members are being replaced)."""
+        known = [i for i in self.members.values() if i.status is not None]
+        newest = min((i.versions[1] for i in known), default=self.model_version)
+        return {
+            "model_version": self.model_version,
+            "newest_all_apply": newest,
+            "releases": sorted({i.software for i in known if i.software}),
+            "pending": newest > self.model_version,
+        }
+
     def _maybe_ready(self) -> list[Action]:
         need = self.size
         if self.recover_quorum and any(i.recover_epoch for i in self.members.values()):
@@ -276,6 +365,18 @@ class Membership:
             # Every member lost quorum or stopped, so none moved on; resume the freshest state
             # kept in memory or recovered from a store.
             best.status = STATUS_READY
+            resumed = best.model_version
+            if not self.supported[0] <= resumed <= self.supported[1]:
+                self.state = FAILED
+                return [
+                    Fatal(
+                        f"member {best.member} resumes the freshest kept state, at model version "
+                        f"{resumed}; this member's software applies model versions "
+                        f"{self.supported[0]} to {self.supported[1]}: start it with a release "
+                        f"that applies model version {resumed}"
+                    )
+                ]
+            self.model_version = resumed
             if best.member == self.me:
                 self.state = READY
                 return [
@@ -298,6 +399,21 @@ class Membership:
                     f"update from it: {own}"
                 )
             ]
+        # A new cluster runs the newest model version all its members apply (a cluster of a
+        # new release starts with all its behaviour; one with an older member, at its version).
+        newest = min(i.versions[1] for i in self.members.values())
+        if newest < max(i.versions[0] for i in self.members.values()):
+            self.state = FAILED
+            return [
+                Fatal(
+                    "the members starting this cluster share no model version: "
+                    + ", ".join(
+                        f"member {i.member} applies {i.versions[0]} to {i.versions[1]}"
+                        for i in self.members.values()
+                    )
+                )
+            ]
+        self.model_version = newest
         for i in self.members.values():
             i.status = STATUS_READY
         # Members that joined at different moments saw the others revealed in different
@@ -306,6 +422,7 @@ class Membership:
         self.members = dict(sorted(self.members.items()))
         self.state = READY
         return [
+            StartAt(newest),
             ApplyToModel(Tick(start)),
             BecomeReady(),
             ApplyToModel(ClusterMembers(self.urls())),

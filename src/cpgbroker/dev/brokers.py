@@ -70,6 +70,7 @@ class BrokerSet:
         ports: dict[int, tuple[int, int]] | None = None,
         extra_config: str = "",
         python: str = sys.executable,
+        pythons: dict[int, str] | None = None,
         event_log: bool = True,
         name: str = PROCESS,
         checkpoint_every: int | None = None,
@@ -93,6 +94,9 @@ class BrokerSet:
         self.name = name
         self.group = group or f"cpgbroker-{dc.prefix}"
         self.python = python
+        # nodeid -> the interpreter that member runs on instead of ``python``: an earlier
+        # release's (cpgbroker.dev.releases), for clusters of mixed releases in upgrade tests.
+        self.pythons: dict[int, str] = dict(pythons or {})
         self.extra_config = extra_config
         self.event_log = event_log
         # None: the broker's default.
@@ -262,12 +266,24 @@ class BrokerSet:
         path.write_text("\n".join(lines) + "\n" + self.extra_config)
         return path
 
+    def set_python(self, nodeid: int, python: str | None) -> None:
+        """Run the member on ``python`` from its next start on (None: ``self.python`` again):
+        how an upgrade test swaps one member's release while the others keep running."""
+        if python is None:
+            self.pythons.pop(nodeid, None)
+        else:
+            self.pythons[nodeid] = python
+
+    def python_of(self, nodeid: int) -> str:
+        """The interpreter the member starts on."""
+        return self.pythons.get(nodeid, self.python)
+
     def start(self, nodeid: int, *, force_boot: bool = False) -> subprocess.Popen[bytes]:
         cfg = self.write_config(nodeid)
         env = dict(os.environ)
         with open(self.log_path(nodeid), "ab") as log:
             proc = subprocess.Popen(
-                [self.python, "-m", "cpgbroker", "start", "--config", str(cfg)]
+                [self.python_of(nodeid), "-m", "cpgbroker", "start", "--config", str(cfg)]
                 + (["--force-boot"] if force_boot else []),
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -21,6 +21,12 @@ Fixtures:
 * ``cpg_on``: factory ``cpg_on(node, group=None) -> Cpg`` for a joined handle opened inside a
   node's namespace from this process; closed after the test.
 * ``dispatch_until``: ``dispatch_until(handles, events, until, timeout)`` for such handles.
+* ``releases`` (session): ``{version: python}`` for every earlier release the repository's
+  ``tests/upgrade/releases.toml`` lists, each built from the repository's history once
+  (:mod:`cpgbroker.dev.releases`, kept under ``.cache/releases``): a ``BrokerSet`` member
+  started on that interpreter (``python=``, ``pythons=``, ``set_python``) runs the release.
+  Where the history lacks a release's commit (a shallow clone) it is skipped, except on CI; a
+  build that fails is an error everywhere.
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ import select
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from cpgbroker.dev import releases as release_builds
 from cpgbroker.dev.brokers import BrokerSet
 from cpgbroker.dev.cluster import (
     DevCluster,
@@ -53,6 +61,7 @@ __all__ = [
     "cpg_on",
     "dev_cluster",
     "dispatch_until",
+    "releases",
     "require_cluster_support",
     "unavailable",
 ]
@@ -183,3 +192,18 @@ def broker_set(cluster: DevCluster) -> Iterator[Callable[..., BrokerSet]]:
 def brokers(broker_set: Callable[..., BrokerSet]) -> BrokerSet:
     """A fresh 3-member broker cluster with the default configuration."""
     return broker_set()
+
+
+@pytest.fixture(scope="session")
+def releases(request: pytest.FixtureRequest) -> dict[str, str]:
+    """``{version: python}``: the interpreter that runs each release of the repository's
+    releases file, built once (and kept between sessions) from the repository's history."""
+    repo = Path(request.config.rootpath)
+    out: dict[str, str] = {}
+    for release in release_builds.load(repo / release_builds.RELEASES_FILE):
+        try:
+            out[release.version] = str(release_builds.build(release, repo))
+        except release_builds.ReleaseUnavailable as e:
+            # Not a broken release but a checkout that cannot build it; on CI still a failure.
+            unavailable(f"release {release.version} cannot be built here: {e}")
+    return out

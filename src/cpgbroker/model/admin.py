@@ -62,9 +62,20 @@ from cpgbroker.model.permissions import TRUSTED, Permissions
 from cpgbroker.model.policies import Policies, escaped_term, validate
 from cpgbroker.model.topology import FAILOVER_EXCHANGE, PEER_EXCHANGE, PREDECLARED, Topology
 from cpgbroker.model.users import Users
+from cpgbroker.model.versions import (
+    EXACT_FIELD_TABLES,
+    NEWEST,
+    OLDEST,
+    ModelVersion,
+    supports,
+)
 from cpgbroker.wire.fastpath import parse_content_header
 
 R = ReplyCode
+
+# The operator's ``cluster upgrade-finish``: the runtime decides, before the model applies it,
+# whether every member can follow (runtime/member.py).
+RAISE_MODEL_VERSION = "raise_model_version"
 
 
 class Admin:
@@ -82,6 +93,7 @@ class Admin:
         consumers: Consumers,
         out: Output,
         federation: Federation,
+        version: ModelVersion,
     ) -> None:
         self._users = users
         self._permissions = permissions
@@ -92,6 +104,7 @@ class Admin:
         self._consumers = consumers
         self._out = out
         self._federation = federation
+        self._version = version
         # The replica's own member id (0 standalone): an answer to another member's operator
         # is a confirm that waits for this member's progress report (``Output.confirmed``).
         # Not replicated.
@@ -123,6 +136,7 @@ class Admin:
             "delete_parameter": self.delete_parameter,
             "federation_status": self.federation_status,
             "federation_pushed": self.federation_pushed,
+            RAISE_MODEL_VERSION: self.raise_model_version,
         }
 
     def apply(self, e: AdminCommand) -> None:
@@ -144,6 +158,33 @@ class Admin:
             status, body = 400, {"error": "bad_request", "reason": str(err)[:200]}
         self._out.effect(AdminReply(e.member, e.ticket, status, body))
         self._out.admin_answered(e.member != self.local_member)
+
+    # ------------------------------------------------------------------ model version
+
+    def raise_model_version(self, args: dict[str, Any], who: str) -> Answer:
+        """The cluster moves up to model ``version`` at this event (model/versions.py): the
+        operator's ``cpgbroker cluster upgrade-finish``. A member of a cluster has decided
+        before this event whether every member applies that version, and says why not in
+        ``refused`` (cluster/membership.py ``refuse_version``); alike on every member, so
+        every replica answers the same and switches, or not, at this same event."""
+        version = args.get("version")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise bad_request("version must be an integer")
+        refused = args.get("refused")
+        if isinstance(refused, str):
+            return 409, {"error": "conflict", "reason": refused}
+        if not supports(version):
+            raise bad_request(
+                f"this software applies model versions {OLDEST} to {NEWEST}, not {version}"
+            )
+        before = self._version.current
+        if version < before:
+            return 409, {
+                "error": "conflict",
+                "reason": f"the cluster runs model version {before}: model versions only move up",
+            }
+        self._version.current = version
+        return 200, {"model_version": version, "was": before}
 
     # ------------------------------------------------------------------ users
 
@@ -376,13 +417,15 @@ class Admin:
         if vh is not None and ex is not None:
             status = 200
             publish = self._delivery.publish_admin
+            exact = self._version.at_least(EXACT_FIELD_TABLES)
             seen = self._federation.seen((e.vhost, e.exchange, e.upstream))
             for rk, header, body, digest, redelivered in e.messages:
                 if not seen.fresh(digest, redelivered):
                     duplicates += 1  # handed over already by a runner that died (or was cut)
                     continue
                 try:
-                    parse_content_header(header)
+                    # From model version 8 every value the grammar allows (wire/fieldtable.py).
+                    parse_content_header(header, roundtrip=not exact)
                 except ValueError:
                     continue
                 if publish(vh, ex, rk, header, body, local=False):

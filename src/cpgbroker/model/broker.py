@@ -48,6 +48,7 @@ component         module                 owns
 ``admin``         ``admin.py``           nothing: applies operators' changes (AdminCommand)
 ``replication``   ``replica.py``         a hot-standby backup's index of messages; applies
                                          the primary's change batches (Changes)
+``version``       ``versions.py``        the effective model version gating behaviour
 ================  =====================  ==================================================
 
 The broker itself keeps the event counter (``event_seq``) and ``apply``, the single entry
@@ -95,6 +96,7 @@ from cpgbroker.model.replica import Replication
 from cpgbroker.model.topology import Topology, VHost
 from cpgbroker.model.transactions import Transactions
 from cpgbroker.model.users import Users
+from cpgbroker.model.versions import NEWEST, ModelVersion
 
 __all__ = ["Broker", "VHost"]
 
@@ -105,9 +107,12 @@ _TRAFFIC = (ClientData, DoOutput, Tick)
 class Broker:
     """The whole replicated broker state and its transition function."""
 
-    def __init__(self, config: BrokerConfig | None = None) -> None:
+    def __init__(self, config: BrokerConfig | None = None, *, version: int = NEWEST) -> None:
         self.config = config or BrokerConfig()
         cfg = self.config
+        # The effective model version (model/versions.py): a fresh broker runs the newest;
+        # a state restored, recovered or joined runs the version it was written at.
+        self.version = ModelVersion(version)
         # Events applied so far (failed ones included, see count_failed_event).
         self.event_seq = 0
         # Created here, so that the components reading it can be given it before the one
@@ -145,6 +150,7 @@ class Broker:
             self.connections,
             self.flow,
             self.permissions,
+            self.version,
         )
         self.topology.on_failover_bind = self.delivery.publish_members
         self.delivery.push_to = self._push_queues
@@ -186,6 +192,7 @@ class Broker:
             self.consumers,
             self.out,
             self.federation,
+            self.version,
         )
         # A hot-standby backup applies the primary's change batches (model/replica.py).
         self.replication = Replication(self)

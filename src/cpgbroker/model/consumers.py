@@ -316,12 +316,7 @@ class Consumers:
                 conn,
                 fp.encode_get_ok(ch.id, tag, e.redelivered, msg.ex_b, msg.rk_b, len(q.messages))
                 + fp.encode_content(
-                    ch.id,
-                    fp.with_delivery_count(msg.header, e.delivery_count)
-                    if e.delivery_count
-                    else msg.header,
-                    msg.body,
-                    conn.frame_max,
+                    ch.id, self._delivery.delivered_header(e), msg.body, conn.frame_max
                 ),
             )
 

@@ -17,6 +17,11 @@ which keeps a queue's ready messages in id order) and the way a message travels:
    rejected, over its delivery limit) is *settled dropped*: released from the memory mark
    and, if the queue has a dead-letter exchange, copied there (``deadletter.py``).
 
+From model version 8 (``versions.EXACT_FIELD_TABLES``) the header of a dead-lettered or
+redelivered copy is changed on its bytes (``wire/fieldtable.py``), every header value it does
+not touch kept as published, and so publish accepts every headers value the grammar allows; at
+version 7 pamqp writes those headers again, and publish refuses what it could not write.
+
 Transactions hold publishes on the channel (``Channel.tx_ops``); confirms are counted by
 :class:`~.confirms.Confirms`, which this component tells about every routed publish.
 Consumers, acks and requeues live in ``consumers.py``; queues, exchanges and the
@@ -40,7 +45,12 @@ from cpgbroker.model import entities as E
 from cpgbroker.model.changes import ChangeLog
 from cpgbroker.model.config import BrokerConfig
 from cpgbroker.model.confirms import Confirms
-from cpgbroker.model.deadletter import dead_letter_header, is_cycle
+from cpgbroker.model.deadletter import (
+    dead_letter_header,
+    dead_letter_header_exact,
+    is_cycle,
+    is_cycle_exact,
+)
 from cpgbroker.model.entities import (
     Channel,
     Connection,
@@ -60,6 +70,7 @@ from cpgbroker.model.queueflow import QueueFlow
 from cpgbroker.model.topology import FAILOVER_EXCHANGE, VHost, reply_queue_of
 from cpgbroker.model.ttlindex import TtlQueues
 from cpgbroker.model.validate import dead_letter_problem
+from cpgbroker.model.versions import EXACT_FIELD_TABLES, ModelVersion
 from cpgbroker.wire.fastpath import (
     DIRECT_REPLY,
     HeaderInfo,
@@ -108,6 +119,7 @@ class Delivery:
         "_published",
         "_release",
         "_ttl_queues",
+        "_version",
         "_vhosts",
         "changes",
         "msg_seq",
@@ -126,8 +138,11 @@ class Delivery:
         connections: dict[int, Connection],
         flow: QueueFlow,
         permissions: Permissions,
+        version: ModelVersion,
     ) -> None:
         self.msg_seq = 0
+        # The cluster's model version (read at every use: it moves up at an event).
+        self._version = version
         self._flow = flow
         self._flow_high = flow.high or 2**62
         self._flow_low = flow.low
@@ -183,11 +198,13 @@ class Delivery:
                 f"expected content header for class 60 with weight 0, got class "
                 f"{payload[0] << 8 | payload[1]} weight {payload[2] << 8 | payload[3]}",
             )
+        exact = self._version.at_least(EXACT_FIELD_TABLES)
         try:
-            info = parse_content_header(payload)
+            info = parse_content_header(payload, roundtrip=not exact)
         except (ValueError, IndexError) as e:
             raise ConnectionError_(R.FRAME_ERROR, f"malformed content header: {e}") from None
-        if info.headers_span is not None:
+        if info.headers_span is not None and not exact:
+            # Version 7 only: version 8 dead-letters any x-death as RabbitMQ does.
             problem = dead_letter_problem(payload, info.headers_span)
             if problem is not None:
                 ch.pending = None
@@ -387,7 +404,9 @@ class Delivery:
         routed and enqueued as a client's would be; whether it reached a queue. It has no
         confirm, transaction, return or publisher to hold back. Not ``local``: brought in by
         a federation link, so never pushed back upstream."""
-        info = parse_content_header(header)
+        info = parse_content_header(
+            header, roundtrip=not self._version.at_least(EXACT_FIELD_TABLES)
+        )
         self.msg_seq += 1
         msg = Message(
             self.msg_seq,
@@ -611,19 +630,33 @@ class Delivery:
             return
         msg = e.msg
         rk = q.dlrk if q.dlrk is not None else msg.routing_key
-        header = dead_letter_header(msg, q, reason, self._clock.now_ms)
+        exact = self._version.at_least(EXACT_FIELD_TABLES)
+        if exact:
+            header = dead_letter_header_exact(msg, q, reason, self._clock.now_ms)
+        else:
+            header = dead_letter_header(msg, q, reason, self._clock.now_ms)
         self.msg_seq += 1
-        info = parse_content_header(header)
+        info = parse_content_header(header, roundtrip=not exact)
         new = Message(
             self.msg_seq, ex.name, rk, header, msg.body, info.delivery_mode, None, info.headers_span
         )
+        cycle = is_cycle_exact if exact else is_cycle
         for target in self.route(vh, ex, rk, new):
             # RabbitMQ drops a message that would go round a dead-letter cycle (back into a
             # queue it died in) unless a rejection is on the way.
-            if reason != "rejected" and is_cycle(header, target.name):
+            if reason != "rejected" and cycle(header, target.name):
                 continue
             if self.enqueue(target, Entry(new, False, None)):
                 self.dispatch(target)
+
+    def delivered_header(self, e: Entry) -> bytes:
+        """The content header ``e`` goes out with: its message's, with ``x-delivery-count``
+        once it came back to a quorum queue (basic.get; ``_deliver`` inlines it)."""
+        if not e.delivery_count:
+            return e.msg.header
+        return with_delivery_count(
+            e.msg.header, e.delivery_count, exact=self._version.at_least(EXACT_FIELD_TABLES)
+        )
 
     # ------------------------------------------------------------------ dispatch
 
@@ -737,7 +770,11 @@ class Delivery:
         if conn.emit:
             msg = e.msg
             header = (
-                with_delivery_count(msg.header, e.delivery_count)
+                with_delivery_count(
+                    msg.header,
+                    e.delivery_count,
+                    exact=self._version.at_least(EXACT_FIELD_TABLES),
+                )
                 if e.delivery_count
                 else msg.header
             )

@@ -58,6 +58,7 @@ from cpgbroker.model.config import Policy
 from cpgbroker.model.entities import Entry, Message, PriorityMessages, Queue
 from cpgbroker.model.federation import Upstream
 from cpgbroker.model.plain import decode, queue_from_meta, restore_user, vhost_from_part
+from cpgbroker.model.versions import OLDEST
 
 BATCH_FORMAT = 1
 
@@ -373,5 +374,8 @@ class Replication:
             fed["recent"],
         )
         b.mark.queued_bytes = queued
+        # The primary's model version (snapshot._head: absent at the oldest): a backup's
+        # replica, and a backup promoted, run what the primary ran.
+        b.version.current = head.get("model_version", OLDEST)
         self._index = index
         self._front = fronts

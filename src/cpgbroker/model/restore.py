@@ -32,6 +32,7 @@ from cpgbroker.model.entities import (
 from cpgbroker.model.federation import Upstream
 from cpgbroker.model.plain import SNAPSHOT_FORMAT, queue_from_meta, restore_user, vhost_from_part
 from cpgbroker.model.topology import VHost
+from cpgbroker.model.versions import NEWEST, OLDEST, supports
 from cpgbroker.wire import fastpath as fp
 from cpgbroker.wire.framer import FrameReader
 
@@ -140,6 +141,14 @@ class Restorer:
 
     # -- parts
     def _head(self, h: dict[str, Any]) -> None:
+        # Absent: written at the oldest model version (as every release before versions did).
+        version = h.get("model_version", OLDEST)
+        if not isinstance(version, int) or not supports(version):
+            raise InvariantError(
+                f"the snapshot holds a state at model version {version}; this software applies "
+                f"model versions {OLDEST} to {NEWEST}"
+            )
+        self.b.version.current = version
         self.b.restore_counters(
             now_ms=h["now_ms"],
             event_seq=h["event_seq"],
@@ -257,7 +266,8 @@ class Restorer:
                 pend = ch.pending = PendingPublish(exchange, rk, mandatory)
                 if header is not None:
                     pend.header = header
-                    pend.info = fp.parse_content_header(header)
+                    # (Checked at publish, at the version of the day: never refused again.)
+                    pend.info = fp.parse_content_header(header, roundtrip=False)
                 pend.remaining = remaining
                 pend.parts = list(parts) or None
             conn.channels[ch.id] = ch
@@ -265,7 +275,7 @@ class Restorer:
 
 
 def _restore_message(m: list[Any]) -> Message:
-    info = fp.parse_content_header(m[3])
+    info = fp.parse_content_header(m[3], roundtrip=False)
     return Message(m[0], m[1], m[2], m[3], m[4], m[5], m[6], info.headers_span)
 
 

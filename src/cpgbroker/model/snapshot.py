@@ -45,6 +45,7 @@ from cpgbroker.model.entities import (
 from cpgbroker.model.exchange import Exchange
 from cpgbroker.model.plain import SNAPSHOT_FORMAT, decode, encode, queue_from_meta
 from cpgbroker.model.restore import Restorer, restore
+from cpgbroker.model.versions import OLDEST
 
 # Snapshots are encoded with the canonical encoding of model/plain.py: its two functions are
 # this module's too, as are restoring (model/restore.py) and the format both follow.
@@ -335,6 +336,11 @@ def _head(b: Broker, queues: list[Queue]) -> dict[str, Any]:
         "messages": sum(len(q.messages) + q.unacked for q in queues),
         "connections": len(b.connections),
     }
+    # Only past the oldest model version: a state at the version of release 0.1.0 snapshots
+    # (and digests) byte for byte as that release wrote it, so the release can read it back
+    # (a rolled-back member) and replicas of both releases compare equal.
+    if b.version.current != OLDEST:
+        h["model_version"] = b.version.current
     mark = b.mark
     # Only when they say more than "blocked" does: a state without a disk alarm snapshots
     # (and digests) exactly as before disk alarms existed.

@@ -44,7 +44,7 @@ from typing import Any
 import attrs
 import trio
 
-from cpgbroker import MODEL_VERSION, __version__
+from cpgbroker import __version__
 from cpgbroker.cluster import codec
 from cpgbroker.cluster.codec import (
     STATUS_NAMES,
@@ -55,6 +55,7 @@ from cpgbroker.cluster.codec import (
     Progress,
     StopRequest,
     UpdateRequest,
+    software_label,
 )
 from cpgbroker.cluster.membership import (
     NEEDS_UPDATE,
@@ -66,6 +67,7 @@ from cpgbroker.cluster.membership import (
     NeedUpdate,
     ResumeState,
     SendHello,
+    StartAt,
     member_id,
 )
 from cpgbroker.cluster.merge import Partitions
@@ -79,14 +81,18 @@ from cpgbroker.corosync.events import (
     TotemConfChg,
 )
 from cpgbroker.errors import ClusterError
+from cpgbroker.model.admin import RAISE_MODEL_VERSION
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.events import (
+    AdminCommand,
+    Changes,
     ClientConnected,
     ClientData,
     MemberLeft,
     Recovered,
     Tick,
 )
+from cpgbroker.model.versions import NEWEST, OLDEST
 from cpgbroker.runtime.admindesk import AdminDesk
 from cpgbroker.runtime.applytimes import APPLY_SAMPLE, ApplyTimes
 from cpgbroker.runtime.checkpoints import Checkpointer
@@ -110,6 +116,9 @@ from cpgbroker.store.store import Store
 
 log = logging.getLogger("cpgbroker.member")
 
+# What this member announces in its hello: its release and the model versions it applies.
+SOFTWARE = software_label(__version__, OLDEST, NEWEST)
+
 # After quorum loss, how long clients get to read connection.close before being cut.
 SUSPEND_GRACE = 2.0
 NOT_QUORATE_TEXT = (
@@ -121,11 +130,19 @@ NOT_QUORATE_TEXT = (
 RESYNC_TEXT = "member is resynchronising with the cluster; it serves again soon: use another member"
 
 
+# Release 0.1.0 hashed the server version it told clients (its own) into the configuration
+# digest; every later release hashes that same value in its place.
+DIGEST_SERVER_VERSION = "0.1.0"
+
+
 def config_digest(config: ServerConfig) -> bytes:
     """What must be equal on all members for their models to stay equal."""
     b = config.broker
     assert config.cluster is not None
     relevant = attrs.asdict(b, filter=lambda a, _v: a.name not in ("member_urls",))
+    # The release a member names to its clients is its own, not the cluster's: hashed as
+    # release 0.1.0 hashed its own, so that members of different releases compare equal.
+    relevant["version"] = DIGEST_SERVER_VERSION
     relevant["group"] = config.cluster.group
     # Checkpoints are voted on at the same events everywhere, or not at all.
     relevant["checkpoint_every"] = config.cluster.checkpoint_every
@@ -200,10 +217,13 @@ class ClusterNode:
         self.membership = Membership(
             member,
             1 if forced else cluster.size,
-            MODEL_VERSION,
+            # A member with kept state announces its version; one without, the lowest it
+            # applies (what a member of an older release expects to hear).
+            OLDEST if kept is None else kept[0].version.current,
             config_digest(config),
             cluster.url,
             self.store_quorum,
+            (OLDEST, NEWEST),
         )
         self.progress = PeerProgress(member, cluster.max_lag)
         self.multicast = Multicaster(cpg, self.progress, self.lag, self.report)
@@ -240,7 +260,7 @@ class ClusterNode:
             AdminDesk(member, self.multicast.submit, self._event_seq, settled=self._admin_settled)
             if shipping is None
             else AdminDesk(
-                member, shipping.submit, shipping.batch_number, settled=self._admin_settled
+                member, self._submit_shipped, shipping.batch_number, settled=self._admin_settled
             )
         )
         self.io.desk = self.desk
@@ -643,6 +663,9 @@ class ClusterNode:
         """Apply one event of the stream. An exception here is an error the stream does not
         explain (the same event applies cleanly elsewhere, or everywhere fails alike): the
         cluster decides in an error-check round."""
+        raising = type(e) is AdminCommand and e.op == RAISE_MODEL_VERSION
+        if raising:
+            e = self._version_verdict(e)
         shipping = self.shipping
         if shipping is not None and not shipping.takes(e, sender, self.membership):
             return
@@ -673,11 +696,57 @@ class ClusterNode:
             )
             return
         mark.seq = 0
+        # (Shipping changes, a change batch carries the primary's version: model/replica.py.)
+        if (
+            raising or type(e) is Changes
+        ) and broker.version.current != self.membership.model_version:
+            self._set_version(broker.version.current)
         if type(e) is ClientConnected and e.member != self.member:
             broker.set_emit(e.conn, False)
         elif shipping is not None:
             shipping.applied(broker, sender, self.updater)
         self._after_apply(e, sender)
+
+    def _version_verdict(self, e: AdminCommand) -> AdminCommand:
+        """The operator's ``cluster upgrade-finish`` carries, from here on (the store journals
+        it so, and a restart replays it so), whether every member applies the version it asks
+        for: the membership at this point of the stream decides, alike on every member."""
+        try:
+            args = json.loads(e.args)
+        except ValueError:
+            return e  # the model answers 400
+        if not isinstance(args, dict) or "refused" in args:
+            return e
+        version = args.get("version")
+        if not isinstance(version, int):
+            return e
+        refused = self.membership.refuse_version(version)
+        if refused is None:
+            return e
+        args["refused"] = refused
+        return attrs.evolve(e, args=json.dumps(args).encode())
+
+    async def _submit_shipped(self, ev: Any) -> None:
+        """An operator's change on a hot-standby primary shipping changes: applied by its
+        serving broker, which alone decides (its batches carry the version it runs)."""
+        assert self.shipping is not None
+        if type(ev) is AdminCommand and ev.op == RAISE_MODEL_VERSION:
+            ev = self._version_verdict(ev)
+        await self.shipping.submit(ev)
+
+    def _set_version(self, version: int) -> None:
+        """This member's state runs model ``version`` from here on."""
+        before = self.broker.version.current
+        self.broker.version.current = version
+        self.membership.model_version = version
+        if self.store is not None:
+            # Before the events of the new version are journaled: a release that cannot
+            # apply them never recovers this store.
+            self.store.set_model_version(version)
+        if version != before:
+            log.info(
+                "model version %d (was %d) from event %d", version, before, self.broker.event_seq
+            )
 
     def _after_apply(self, e: Any, sender: int, failed: bool = False) -> None:
         if self.suspended is not None:
@@ -818,10 +887,10 @@ class ClusterNode:
                         Hello(
                             self.member,
                             a.status,
-                            MODEL_VERSION,
+                            self.membership.model_version,
                             self.membership.config_digest,
                             self.membership.url,
-                            f"cpgbroker {__version__}",
+                            SOFTWARE,
                             self.io.now_ms(),
                             0 if kept is None else kept[1],
                             0 if kept is None else kept[0].event_seq,
@@ -857,6 +926,10 @@ class ClusterNode:
                 self.newcomer.request()
             elif t is ResumeState:
                 self._resume(a.start_ms)
+            elif t is StartAt:
+                # The empty state every starting member holds: it starts at the version they
+                # agreed, before the first event.
+                self._set_version(a.version)
             elif t is Fatal:
                 raise ClusterError(a.reason)
 
@@ -938,6 +1011,7 @@ class ClusterNode:
     def _install(self, broker: Broker, members: list[list[Any]]) -> None:
         """The newcomer installs the state of its update point."""
         self.broker = broker
+        self.membership.model_version = broker.version.current
         broker.admin.local_member = self.member
         if self.shipping is not None:
             # The update left out what was consumed while it was sent: the replay finds

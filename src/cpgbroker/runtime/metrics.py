@@ -164,6 +164,28 @@ def _member_metrics(view: ClusterView) -> Iterator[Metric]:
         "Members that serve clients",
         sum(1 for m in view.members if m.state in ("ready", "standalone")),
     )
+    software = st.get("software")
+    if isinstance(software, dict):
+        build = GaugeMetricFamily(
+            "cpgbroker_build_info",
+            "1, labelled with the release this member runs and the model versions it applies",
+            labels=["release", "model_versions"],
+        )
+        lo, hi = [*(software.get("model_versions") or []), "?", "?"][:2]
+        build.add_metric([str(software.get("release", "")), f"{lo}-{hi}"], 1)
+        yield build
+    if (version := _number(st.get("model_version"))) is not None:
+        yield _gauge(
+            "cpgbroker_model_version", "The model version the cluster's state runs at", version
+        )
+    upgrade = st.get("upgrade")
+    if isinstance(upgrade, dict):
+        yield _gauge(
+            "cpgbroker_upgrade_pending",
+            "1 while every member applies a newer model version than the cluster runs "
+            "(cpgbroker cluster upgrade-finish moves it up)",
+            1 if upgrade.get("pending") else 0,
+        )
     conns = st.get("connections") or {}
     if (local := _number(conns.get("local"))) is not None:
         yield _gauge("cpgbroker_connections_local", "Clients connected to this member", local)

@@ -426,6 +426,11 @@ def overview_json(view: ClusterView, identity: Identity) -> dict[str, Any]:
                 "update",
                 "updating",
                 "quorum",
+                # The release this member runs, the model version the cluster runs, and
+                # where an upgrade stands (each member's release is in "members").
+                "software",
+                "model_version",
+                "upgrade",
             )
         }
     b = view.broker

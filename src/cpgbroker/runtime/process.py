@@ -23,7 +23,9 @@ from cpgbroker.cluster.membership import member_id
 from cpgbroker.corosync import cmap
 from cpgbroker.corosync.cpg import tune_malloc
 from cpgbroker.errors import ClusterError, CpgError
+from cpgbroker.model.admin import RAISE_MODEL_VERSION
 from cpgbroker.model.broker import Broker
+from cpgbroker.model.versions import NEWEST
 from cpgbroker.runtime import admin, sdnotify, watchdog
 from cpgbroker.runtime.cpg_trio import open_cpg
 from cpgbroker.runtime.localbroker import LocalBroker
@@ -207,7 +209,8 @@ class MemberProcess:
         return await node.desk.request(user, op, args, timeout)
 
     async def control(self, path: str, args: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        """``POST /stop`` {"member": ID} (none: the whole cluster) and ``POST /faults``
+        """``POST /stop`` {"member": ID} (none: the whole cluster), ``POST /upgrade-finish``
+        {"version": N} (none: the newest this member applies) and ``POST /faults``
         {"kind", "at_seq", "seconds"} from the status endpoint."""
         node = self.node
         if node is None or not node.serving or node.halted is not None:
@@ -217,6 +220,11 @@ class MemberProcess:
                 target = admin.json_int(args, "member", 0)
                 seq = await node.request_stop(target)
                 return 202, {"stopping": target if target else "cluster", "at_seq": seq}
+            if path == "/upgrade-finish":
+                version = admin.json_int(args, "version", NEWEST)
+                return await self.admin_command(
+                    "operator", RAISE_MODEL_VERSION, {"version": version}, admin.REQUEST_TIMEOUT
+                )
             if path == "/faults":
                 if not self.cluster.fault_injection:
                     return 403, {"error": "fault injection is off ([cluster] fault_injection)"}
@@ -660,9 +668,13 @@ def member_status(node: ClusterNode, with_digest: bool) -> dict[str, Any]:
                     "checkpoint_agreed": None
                     if last is None or m not in dict(last.digests)
                     else m not in last.losers,
+                    # What it runs, as its hello said (an upgrade in progress shows here).
+                    "software": i.software,
+                    "model_versions": list(i.versions),
                 }
                 for m, i in node.membership.members.items()
             ],
+            "upgrade": node.membership.upgrade_status(),
             "connections": {"local": local, "shadow": len(served.connections) - local},
             "checkpoint": None
             if last is None

@@ -30,6 +30,7 @@ from typing import Any, Protocol, TypeAlias
 
 import trio
 
+from cpgbroker import __version__
 from cpgbroker.cluster.codec import conn_id
 from cpgbroker.errors import ReplyCode
 from cpgbroker.model import snapshot
@@ -50,6 +51,7 @@ from cpgbroker.model.events import (
     Tick,
     WantOutput,
 )
+from cpgbroker.model.versions import NEWEST, OLDEST
 from cpgbroker.runtime.admindesk import AdminDesk
 from cpgbroker.runtime.settings import ServerConfig, parse_listen
 from cpgbroker.runtime.tls import (
@@ -555,6 +557,10 @@ def model_status(broker: Broker, local: int, with_digest: bool) -> dict[str, Any
         # Publishers blocked: above the memory mark, or a member's disk alarm (its id).
         "publishers_blocked": broker.blocked,
         "disk_alarms": list(broker.mark.disk_alarms),
+        # The release this process runs and the model versions it applies; the model
+        # version the state runs at (a cluster's: one for every member).
+        "software": {"release": __version__, "model_versions": [OLDEST, NEWEST]},
+        "model_version": broker.version.current,
     }
 
 

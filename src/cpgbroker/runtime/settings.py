@@ -9,6 +9,7 @@ from typing import Any
 
 import attrs
 
+from cpgbroker import __version__
 from cpgbroker.errors import ConfigError
 from cpgbroker.model import auth, permissions
 from cpgbroker.model.changes import REPLICATE
@@ -295,6 +296,8 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
     server_id, upstreams = _federation(data.get("federation", {}), vhosts)
     try:
         broker = BrokerConfig(
+            # What clients are told in server-properties: this member's release.
+            version=__version__,
             users=users,
             vhosts=vhosts,
             policies=_policies(data.get("policies", []), vhosts),

@@ -19,7 +19,6 @@ from typing import Any, Protocol
 
 import trio
 
-from cpgbroker import MODEL_VERSION
 from cpgbroker.errors import ClusterError
 from cpgbroker.model.config import BrokerConfig
 from cpgbroker.model.events import DiskAlarm
@@ -47,7 +46,7 @@ class Incarnation(Protocol):
 
 class StoreLink:
     def __init__(self, settings: StoreSettings, group: str) -> None:
-        self.store = Store(settings, group, MODEL_VERSION, fork=update.fork_child)
+        self.store = Store(settings, group, fork=update.fork_child)
         self.node: Incarnation | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self.error: OSError | None = None

@@ -14,7 +14,12 @@ always says one consistent thing about the files beside it:
     event (none: the empty initial state, ``base_seq`` 0).
 ``group`` / ``model_version``
     A store of another cluster, or of a model version this software cannot replay, is never
-    recovered (never silently merged into this cluster).
+    recovered (never silently merged into this cluster). ``model_version`` is the newest
+    version the journal may hold (model/versions.py): raised before the first event of a newer
+    version is journaled, so an older release refuses the store instead of misreading it.
+``base_version``
+    The model version of the base when it is the empty state (no snapshot says it): the
+    version the cluster started at. Absent (releases before 0.2.0): ``model_version``.
 ``epoch``
     The history epoch (cluster/membership.py): a forced boot from a minority starts a new one,
     so its state wins over stores that never saw it.
@@ -47,9 +52,12 @@ class Meta:
     snapshot: str | None
     state: str
     last_seq: int = 0
+    base_version: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = attrs.asdict(self)
+        if out["base_version"] is None:
+            del out["base_version"]  # as releases before 0.2.0 write it
         out["format"] = FORMAT
         return out
 
@@ -76,6 +84,7 @@ def load(disk: Disk, directory: str) -> Meta | None:
             snapshot=None if d["snapshot"] is None else str(d["snapshot"]),
             state=str(d["state"]),
             last_seq=int(d.get("last_seq", 0)),
+            base_version=None if d.get("base_version") is None else int(d["base_version"]),
         )
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise StoreCorrupt(f"{p}: offset 0: unreadable metadata ({e})") from e

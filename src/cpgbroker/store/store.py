@@ -48,6 +48,7 @@ import attrs
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.config import BrokerConfig
 from cpgbroker.model.events import ClientConnected
+from cpgbroker.model.versions import NEWEST, OLDEST, supports
 from cpgbroker.store import meta, records, snapfile
 from cpgbroker.store.disk import Disk, OsDisk, StoreCorrupt, StoreError
 from cpgbroker.store.journal import JournalWriter, read_journal
@@ -137,7 +138,7 @@ class Store:
         self,
         settings: StoreSettings,
         group: str,
-        model_version: int,
+        model_version: int = OLDEST,
         *,
         disk: Disk | None = None,
         fork: Callable[[Callable[[], None], str], int] | None = None,
@@ -147,7 +148,12 @@ class Store:
         self.settings = settings
         self.dir = settings.directory
         self.group = group
+        # The model version of what the store holds and journals (model/versions.py), written
+        # in its metadata: a release that cannot apply it refuses the store, never misreads it.
+        # Raised (set_model_version) before the first event of a newer version is journaled.
         self.model_version = model_version
+        # The version of the empty base (no snapshot): see meta.py.
+        self.base_version = model_version
         self.disk: Disk = OsDisk() if disk is None else disk
         # Runs a snapshot writer in a forked child and returns its pid; None: write inline
         # (tests on a simulated disk).
@@ -189,11 +195,15 @@ class Store:
                 f"configured for {self.group!r}: it is never merged into another cluster; move "
                 "it aside or point [store] dir elsewhere"
             )
-        if m.model_version != self.model_version:
+        if not supports(m.model_version):
             raise StoreMismatch(
-                f"the store at {self.dir} was written by model version {m.model_version}, this "
-                f"software runs {self.model_version} and cannot replay it ({where})"
+                f"the store at {self.dir} holds a state at model version {m.model_version}; "
+                f"this software applies model versions {OLDEST} to {NEWEST} and cannot replay "
+                f"it ({where}). Nothing was changed: start this member with a release that "
+                f"applies model version {m.model_version}"
             )
+        self.model_version = m.model_version
+        self.base_version = m.model_version if m.base_version is None else m.base_version
         self.epoch = m.epoch
         if m.state == meta.REPLACING:
             log.warning(
@@ -225,7 +235,7 @@ class Store:
         else:
             if m.base_seq != 0:
                 raise StoreCorrupt(f"{where}: base event {m.base_seq} without a snapshot")
-            broker = Broker(config)
+            broker = Broker(config, version=self.base_version)
         log.info(
             "recovering from the store at %s: %s from event %d, %.1f MiB of journal (%s)",
             self.dir,
@@ -388,6 +398,7 @@ class Store:
             seq,
         )
         self.replacing = True
+        self.model_version = self.base_version = broker.version.current
         self._save_meta(meta.REPLACING)
         if self.syncer is not None:
             self.syncer.close()
@@ -470,6 +481,20 @@ class Store:
             self._save_meta(meta.CLEAN, last_seq)
             log.info("store closed cleanly at event %d", last_seq)
 
+    def set_model_version(self, version: int) -> None:
+        """What this member applies runs model ``version`` from the next event on: said in
+        the metadata before any such event is journaled."""
+        if version == self.model_version:
+            return
+        if self.snapshot_name is None and self.next_seq == self.base_seq + 1:
+            # Nothing journaled on the empty base: the cluster starts at this version.
+            self.base_version = version
+        elif version < self.model_version:
+            return  # never down: the journal may hold events of the newer version
+        self.model_version = version
+        if self.syncer is not None and not self.replacing:
+            self._save_meta(meta.SERVING)
+
     def new_epoch(self) -> int:
         """A forced boot: the history from here is a new one that must win over every store
         that did not see it."""
@@ -490,6 +515,11 @@ class Store:
                 self.snapshot_name,
                 state,
                 last_seq,
+                # Only where no snapshot says it, and only when it says more (a store of the
+                # oldest version keeps release 0.1.0's metadata).
+                self.base_version
+                if self.snapshot_name is None and self.base_version != self.model_version
+                else None,
             ),
         )
 

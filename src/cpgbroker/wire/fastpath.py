@@ -20,6 +20,7 @@ from __future__ import annotations
 import struct
 
 from cpgbroker.errors import ConnectionError_, ReplyCode
+from cpgbroker.wire.fieldtable import Field, decode_table
 from cpgbroker.wire.framer import FRAME_BODY, FRAME_END_BYTE, FRAME_HEADER, FRAME_METHOD
 from cpgbroker.wire.tables import check_table, check_timestamp
 
@@ -293,11 +294,16 @@ _DELIVERY_COUNT_KEY = b"\x10x-delivery-count"
 _I64 = struct.Struct(">q")
 
 
-def with_delivery_count(payload: bytes, count: int) -> bytes:
+def with_delivery_count(payload: bytes, count: int, *, exact: bool = False) -> bytes:
     """The content header ``payload`` with ``x-delivery-count: count`` (a signed 64-bit field,
     as RabbitMQ's quorum queues send it) set in its headers table, for the redelivery of a
     message that came back to a quorum queue. Patched rather than re-encoded by pamqp: a
-    poison message may come back many times."""
+    poison message may come back many times.
+
+    A publisher that sent an ``x-delivery-count`` itself has it replaced: ``exact`` (model
+    version 8) in place, every other byte of the table kept (``wire/fieldtable.py``); else
+    (version 7) through pamqp, which writes the whole table again its own way (keys sorted,
+    floats as 32 bits, integers in the smallest type, this one too)."""
     flags = payload[12] << 8 | payload[13]
     p = 14
     if flags & FLAG_CONTENT_TYPE:
@@ -320,7 +326,11 @@ def with_delivery_count(payload: bytes, count: int) -> bytes:
     size = _U32.unpack_from(payload, p)[0]
     end = p + 4 + size
     if _DELIVERY_COUNT_KEY in payload[p + 4 : end]:
-        # The publisher sent one itself (rare): replace it, through pamqp.
+        # The publisher sent one itself (rare; or the bytes are inside another value).
+        if exact:
+            exact_table = decode_table(payload, p, end)[0]
+            exact_table.set("x-delivery-count", Field.long(count))
+            return payload[:p] + exact_table.encode() + payload[end:]
         from pamqp import decode, encode
 
         table = decode.field_table(payload[p:end])[1]
@@ -329,6 +339,51 @@ def with_delivery_count(payload: bytes, count: int) -> bytes:
     return b"".join(
         (payload[:p], _U32.pack(size + len(field)), payload[p + 4 : end], field, payload[end:])
     )
+
+
+# Basic's properties in wire order: each flag with its size (>= 0), or -1 for a short string
+# and -4 for a table (their length prefix is one octet and four).
+_PROPERTY_LAYOUT = (
+    (FLAG_CONTENT_TYPE, -1),
+    (FLAG_CONTENT_ENCODING, -1),
+    (FLAG_HEADERS, -4),
+    (FLAG_DELIVERY_MODE, 1),
+    (FLAG_PRIORITY, 1),
+    (FLAG_CORRELATION_ID, -1),
+    (FLAG_REPLY_TO, -1),
+    (FLAG_EXPIRATION, -1),
+    (FLAG_MESSAGE_ID, -1),
+    (FLAG_TIMESTAMP, 8),
+    (FLAG_TYPE, -1),
+    (FLAG_USER_ID, -1),
+    (FLAG_APP_ID, -1),
+    (FLAG_CLUSTER_ID, -1),
+)
+
+
+def property_span(payload: bytes, flag: int) -> tuple[int, int]:
+    """Where property ``flag`` lies in a content header the broker accepted (its length
+    prefix included): ``(start, end)``; ``start == end`` where it would go when it is not
+    set. For the broker's own edits of a header (dead-lettering at model version 8)."""
+    flags = payload[12] << 8 | payload[13]
+    p = 14
+    for f, size in _PROPERTY_LAYOUT:
+        if f == flag:
+            if not flags & f:
+                return p, p
+            if size == -1:
+                return p, p + 1 + payload[p]
+            if size == -4:
+                return p, p + 4 + _U32.unpack_from(payload, p)[0]
+            return p, p + size
+        if flags & f:
+            if size == -1:
+                p += 1 + payload[p]
+            elif size == -4:
+                p += 4 + _U32.unpack_from(payload, p)[0]
+            else:
+                p += size
+    raise ValueError(f"no property with flag 0x{flag:04x}")
 
 
 _SHORTSTR_FLAGS = (
@@ -384,14 +439,18 @@ def _check_short_strings(payload: bytes, flags: int) -> None:
 DIRECT_REPLY = b"amq.rabbitmq.reply-to"
 
 
-def parse_content_header(payload: bytes) -> HeaderInfo:
+def parse_content_header(payload: bytes, *, roundtrip: bool = True) -> HeaderInfo:
     """Walk the property list once, picking out the few fields routing and expiry need, and
-    check everything that pamqp will later decode (dead-lettering, quorum redelivery, headers
+    check everything that is later decoded (dead-lettering, quorum redelivery, headers
     exchanges): short strings in bounds and UTF-8, the timestamp in range, the headers table
-    (:func:`~cpgbroker.wire.tables.check_table`, iterative, with limits, re-encodable). Any
-    malformed header raises :class:`ValueError` (``UnicodeDecodeError`` and ``TableError`` are
-    ValueErrors) or ``IndexError`` (a property past the end), and nothing else (property tests
-    check this for arbitrary bytes)."""
+    (:func:`~cpgbroker.wire.tables.check_table`, iterative, with limits). With ``roundtrip``
+    (model version 7, whose dead-lettering and redelivery write headers again with pamqp) the
+    table must also be one pamqp can write again; the model passes False from version 8 on
+    (``wire/fieldtable.py`` keeps what it does not change byte for byte), and so may any
+    caller for a header that was accepted already. Any malformed header raises
+    :class:`ValueError` (``UnicodeDecodeError`` and ``TableError`` are ValueErrors) or
+    ``IndexError`` (a property past the end), and nothing else (property tests check this for
+    arbitrary bytes)."""
     n = len(payload)
     if n < 14:
         raise ValueError(f"content header of {n} bytes, shorter than its 14-byte fixed part")
@@ -409,7 +468,7 @@ def parse_content_header(payload: bytes) -> HeaderInfo:
     if flags & FLAG_CONTENT_ENCODING:
         p += 1 + payload[p]
     if flags & FLAG_HEADERS:
-        end = check_table(payload, p, n, roundtrip=True)
+        end = check_table(payload, p, n, roundtrip=roundtrip)
         headers_span = (p, end)
         p = end
     if flags & FLAG_DELIVERY_MODE:

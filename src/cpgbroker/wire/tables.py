@@ -14,11 +14,13 @@ bounded depth and bounded work.
 A table is accepted when every key is a short string of valid UTF-8, every value has a known
 type and lies wholly inside its container, containers nest at most ``MAX_TABLE_DEPTH`` deep and
 hold at most ``MAX_TABLE_VALUES`` values in all. With ``roundtrip`` (the ``headers`` of a
-message, which dead-lettering and quorum redelivery decode *and re-encode* with pamqp), values
-pamqp decodes but cannot encode again are refused too: long strings that are not UTF-8 (pamqp
-hands them out as ``bytes``, which it cannot encode), decimals whose mantissa is above 2**31-1
-(read unsigned, written signed) and doubles beyond single-precision range (pamqp writes every
-float as a 32-bit ``f``).
+message at model version 7, whose dead-lettering and quorum redelivery decode *and re-encode*
+them with pamqp), values pamqp decodes but cannot encode again are refused too: long strings
+that are not UTF-8 (pamqp hands them out as ``bytes``, which it cannot encode), decimals whose
+mantissa is above 2**31-1 (read unsigned, written signed) and doubles beyond single-precision
+range (pamqp writes every float as a 32-bit ``f``). From model version 8 on the broker changes
+headers with its own codec (``wire/fieldtable.py``), which keeps every value it does not change
+byte for byte, and checks them without ``roundtrip``: every value the grammar allows passes.
 
 Malformed input raises :class:`TableError`, a ``ValueError`` like the other wire decoders'; the
 model turns it into the reply code of the frame it came in. A table over one of our limits raises
@@ -49,7 +51,8 @@ MAX_TABLE_VALUES = 4096
 
 
 class TableError(ValueError):
-    """A field table that is malformed, over a limit, or (``roundtrip``) not re-encodable."""
+    """A field table that is malformed, over a limit, or (``roundtrip``) not re-encodable by
+    pamqp."""
 
 
 class TableLimitError(TableError):
