@@ -202,3 +202,37 @@ def test_a_store_this_software_cannot_apply_is_refused_naming_it_and_left_alone(
     assert f"model version {NEWEST + 1}" in str(e.value)
     assert f"model versions {OLDEST} to {NEWEST}" in str(e.value)
     assert {n: disk.read(f"/store/{n}") for n in disk.listdir("/store")} == before
+
+
+def test_the_version_does_not_move_while_a_member_that_joined_has_not_announced_itself() -> None:
+    view = _ready_cluster((NEW, NEW, NEW))
+    view.model_version = OLDEST
+    # A fourth member joined: its hello (which release?) is not delivered yet.
+    view.on_confchg([1, 2, 3, 4], [4], [])
+    why = view.refuse_version(NEWEST)
+    assert why is not None and "member(s) 4 joined the group but did not announce" in why
+    view.on_hello(hello(4, STATUS_NEW, OLDEST, NEW))
+    assert view.refuse_version(NEWEST) is None
+
+
+def test_a_version_marked_before_a_crash_that_lost_its_switch_is_taken_back() -> None:
+    disk = SimDisk()
+    store = _store(disk, OLDEST)
+    store.open(1, lambda s: None, lambda e: None)
+    b = Broker(version=OLDEST)
+    for ev in generate(13, steps=50):
+        b.apply(ev)
+        assert store.record(b.event_seq, ev, b) is None
+    assert store.syncer is not None
+    store.syncer.barrier()
+    # The member marked the store for the switch, then died before journaling it.
+    store.set_model_version(NEWEST)
+    m = meta.load(disk, "/store")
+    assert m is not None and m.model_version == NEWEST
+    again = _store(disk, OLDEST)
+    rec = again.recover(b.config)
+    assert rec is not None and rec.broker.version.current == OLDEST
+    again.open(rec.seq + 1, lambda s: None, lambda e: None)
+    m = meta.load(disk, "/store")
+    # Release 0.1.0 reads this store again.
+    assert m is not None and m.model_version == OLDEST

@@ -36,6 +36,7 @@ from cpgbroker.model.events import (
     decode_forward,
     encode_forward,
 )
+from cpgbroker.model.eventtypes import cpg_type
 
 MAGIC = 0xCB
 # 2: Hello carries the state a member kept when its partition lost quorum.
@@ -45,23 +46,25 @@ MAGIC = 0xCB
 # 6: operators' changes (AdminCommand) and federation links' messages (Forward).
 FORMAT = 6
 
-T_DATA = 1
-T_CONNECTED = 2
-T_DISCONNECTED = 3
-T_DO_OUTPUT = 4
-T_CLOSE_CLIENT = 5
-T_TICK = 6
-T_DISK_ALARM = 7
+# Model events: model/eventtypes.py numbers every kind once, for this codec and the journal's.
+T_DATA = cpg_type(ClientData)
+T_CONNECTED = cpg_type(ClientConnected)
+T_DISCONNECTED = cpg_type(ClientDisconnected)
+T_DO_OUTPUT = cpg_type(DoOutput)
+T_CLOSE_CLIENT = cpg_type(CloseClient)
+T_TICK = cpg_type(Tick)
+T_DISK_ALARM = cpg_type(DiskAlarm)
+# Cluster control events: never applied to a model, never journaled.
 T_HELLO = 10
 T_CHECKPOINT = 11
 T_PROGRESS = 12
 T_UPDATE_REQUEST = 13
 T_ERROR_CHECK = 14
 T_STOP = 15
-T_ADMIN = 16
-T_FORWARD = 17
+T_ADMIN = cpg_type(AdminCommand)
+T_FORWARD = cpg_type(Forward)
 # A hot-standby primary's change batch (model/replica.py): u32 length, the batch.
-T_CHANGES = 18
+T_CHANGES = cpg_type(Changes)
 
 # ClientConnected's flags.
 F_LOOPBACK = 1

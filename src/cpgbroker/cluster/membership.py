@@ -324,11 +324,20 @@ class Membership:
             return (
                 f"the cluster runs model version {self.model_version}: model versions only move up"
             )
+        unannounced = [i.member for i in self.members.values() if i.status is None]
+        if unannounced:
+            # Joined but not (yet, or not acceptably) announced: its release is unknown, and
+            # it may have heard a serving member's hello of the version we would leave.
+            return (
+                f"member(s) {', '.join(map(str, unannounced))} joined the group but did not "
+                "announce a release this cluster accepts yet; try again once every member "
+                "serves (cpgbroker status)"
+            )
         behind = [
             f"member {i.member} ({i.software or 'unknown software'}: model versions "
             f"{i.versions[0]} to {i.versions[1]})"
             for i in self.members.values()
-            if i.status is not None and not i.versions[0] <= version <= i.versions[1]
+            if not i.versions[0] <= version <= i.versions[1]
         ]
         if behind:
             return (

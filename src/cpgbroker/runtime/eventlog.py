@@ -20,6 +20,7 @@ import time
 from typing import IO, Any
 
 from cpgbroker.errors import ClusterError
+from cpgbroker.model.eventtypes import EVENT_TYPES
 
 log = logging.getLogger("cpgbroker.member")
 
@@ -31,21 +32,7 @@ FAULT_KINDS = ("apply-error", "disk-full", "slow-apply")
 SLOW_APPLY_MAX = 600.0
 
 # Event log record types of model events (other event classes log under their class name).
-TYPE_NAMES = {
-    "ClientData": "data",
-    "ClientConnected": "connect",
-    "ClientDisconnected": "disconnect",
-    "DoOutput": "do-output",
-    "CloseClient": "close-client",
-    "Tick": "tick",
-    "MemberLeft": "member-left",
-    "ClusterMembers": "members",
-    "Recovered": "recovered",
-    "DiskAlarm": "disk-alarm",
-    "AdminCommand": "admin",
-    "Forward": "forward",
-    "Changes": "changes",
-}
+TYPE_NAMES = {t.cls.__name__: t.name for t in EVENT_TYPES}
 
 
 class InjectedFault(Exception):

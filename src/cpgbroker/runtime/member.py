@@ -139,7 +139,15 @@ def config_digest(config: ServerConfig) -> bytes:
     """What must be equal on all members for their models to stay equal."""
     b = config.broker
     assert config.cluster is not None
-    relevant = attrs.asdict(b, filter=lambda a, _v: a.name not in ("member_urls",))
+    relevant = attrs.asdict(
+        b,
+        # A setting added after release 0.1.0 (``metadata={"since": release}``) counts only
+        # when it is not its default: members of 0.1.0, which have no such setting, then hash
+        # the same configuration as ours.
+        filter=lambda a, v: (
+            a.name != "member_urls" and not ("since" in a.metadata and v == a.default)
+        ),
+    )
     # The release a member names to its clients is its own, not the cluster's: hashed as
     # release 0.1.0 hashed its own, so that members of different releases compare equal.
     relevant["version"] = DIGEST_SERVER_VERSION
@@ -653,6 +661,10 @@ class ClusterNode:
             self.io.read_done(e.conn)
         if self.stops.halted is not None:
             return  # stopped at a point of the stream: nothing after it is applied
+        if t is AdminCommand and e.op == RAISE_MODEL_VERSION:
+            # Decided here, at its point of the stream, even if an error-check round holds
+            # it: the membership goes on changing meanwhile.
+            e = self._version_verdict(e)
         stall = self.stall
         if stall.stalled is not None:
             stall.hold(e, sender)
@@ -664,8 +676,6 @@ class ClusterNode:
         explain (the same event applies cleanly elsewhere, or everywhere fails alike): the
         cluster decides in an error-check round."""
         raising = type(e) is AdminCommand and e.op == RAISE_MODEL_VERSION
-        if raising:
-            e = self._version_verdict(e)
         shipping = self.shipping
         if shipping is not None and not shipping.takes(e, sender, self.membership):
             return
@@ -715,7 +725,7 @@ class ClusterNode:
             args = json.loads(e.args)
         except ValueError:
             return e  # the model answers 400
-        if not isinstance(args, dict) or "refused" in args:
+        if not isinstance(args, dict) or isinstance(args.get("refused"), str):
             return e
         version = args.get("version")
         if not isinstance(version, int):
@@ -980,16 +990,29 @@ class ClusterNode:
             return
         membership = self.membership
         me = membership.members.get(self.member)
+        newcomer = membership.members.get(e.member)
         if (
             e.updater != self.member
             or membership.state != READY
             or me is None
             or me.status != STATUS_READY
-            or e.member not in membership.members
+            or newcomer is None
+            # A newcomer whose hello was refused, or whose release cannot apply the model
+            # version of our state (the cluster moved up after it heard a serving member's
+            # older hello), never gets a state it would apply by other rules.
+            or newcomer.status is None
+            or not newcomer.versions[0] <= self.broker.version.current <= newcomer.versions[1]
             # A stopping member's model ends before the request's point: the newcomer asks
             # another member once this one has left.
             or self.stops.halted is not None
         ):
+            if newcomer is not None and e.updater == self.member and newcomer.status is not None:
+                log.warning(
+                    "no state update for member %s (%s): this state runs model version %d",
+                    e.member,
+                    newcomer.software or "unknown software",
+                    self.broker.version.current,
+                )
             return
         members = membership.export()
         if self.stall.stalled is not None:

@@ -39,6 +39,7 @@ from cpgbroker.model import entities as E
 from cpgbroker.model.config import User
 from cpgbroker.model.federation import UPSTREAM
 from cpgbroker.model.topology import VHost
+from cpgbroker.model.versions import NEWEST, OLDEST, VERSION_CHANGES
 from cpgbroker.runtime.mgmt_json import (
     ADMIN_TAGS,
     MGMT_TAGS,
@@ -209,11 +210,24 @@ def _not_found() -> Answer:
     return Answer(404, NOT_FOUND)
 
 
+# A model version as a feature flag's name (``PUT /api/feature-flags/model_version_8/enable``).
+FLAG_PREFIX = "model_version_"
+
+
+def flag_version(name: str) -> int | None:
+    """The model version a feature flag names, if this software applies it."""
+    if not name.startswith(FLAG_PREFIX) or not name[len(FLAG_PREFIX) :].isdigit():
+        return None
+    version = int(name[len(FLAG_PREFIX) :])
+    return version if OLDEST < version <= NEWEST else None
+
+
 def needed_tags(parts: list[str]) -> tuple[str, ...]:
     """The tags a path needs beyond a management tag (the ``is_authorized_*`` RabbitMQ's
     handler for the resource uses): users and permissions are an administrator's, nodes a
     monitor's; the rest any management user's, filtered to what that user may see."""
-    if parts[:1] in (["users"], ["permissions"], ["definitions"]) or parts[2:3] == ["permissions"]:
+    admin_only = (["users"], ["permissions"], ["definitions"], ["feature-flags"])
+    if parts[:1] in admin_only or parts[2:3] == ["permissions"]:
         return ADMIN_TAGS
     if parts[:1] == ["nodes"]:
         return MONITOR_TAGS
@@ -253,6 +267,38 @@ class ManagementApi:
         if rest:
             return _not_found()
         return Answer(200, overview_json(view, identity))
+
+    def _feature_flags(self, rest: list[str], view: ClusterView, identity: Identity) -> Answer:
+        """RabbitMQ's ``GET /api/feature-flags``: ours are the model versions past the oldest,
+        one flag each, ``enabled`` once the cluster runs at it, ``disabled`` while every member
+        applies it (``PUT .../enable`` or ``cpgbroker cluster upgrade-finish`` turns it on),
+        ``unavailable`` while some member's release does not."""
+        if rest:
+            return _not_found()
+        status = view.status
+        current = status.get("model_version")
+        upgrade = status.get("upgrade") or {}
+        newest = upgrade.get("newest_all_apply", NEWEST)
+        if not isinstance(current, int):
+            return Answer(503, {"error": "unavailable", "reason": f"this member is {view.state}"})
+        return Answer(
+            200,
+            [
+                {
+                    "name": f"{FLAG_PREFIX}{v}",
+                    "desc": VERSION_CHANGES[v],
+                    "doc_url": "",
+                    "stability": "stable",
+                    "provided_by": "cpgbroker",
+                    "state": "enabled"
+                    if current >= v
+                    else "disabled"
+                    if newest >= v
+                    else "unavailable",
+                }
+                for v in range(OLDEST + 1, NEWEST + 1)
+            ],
+        )
 
     def _whoami(self, rest: list[str], view: ClusterView, identity: Identity) -> Answer:
         return Answer(200, {"name": identity.name, "tags": list(identity.tags)})
@@ -530,6 +576,7 @@ class ManagementApi:
 
     _routes: dict[str, Callable[[ManagementApi, list[str], ClusterView, Identity], Answer]] = {
         "overview": _overview,
+        "feature-flags": _feature_flags,
         "whoami": _whoami,
         "nodes": _nodes,
         "exchanges": _exchanges,

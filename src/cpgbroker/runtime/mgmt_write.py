@@ -26,8 +26,9 @@ import attrs
 
 from cpgbroker.model import auth
 from cpgbroker.model import entities as E
+from cpgbroker.model.admin import RAISE_MODEL_VERSION
 from cpgbroker.model.permissions import TRUSTED
-from cpgbroker.runtime.mgmt_api import SECRET_HOLDER, Answer
+from cpgbroker.runtime.mgmt_api import SECRET_HOLDER, Answer, flag_version
 from cpgbroker.runtime.mgmt_json import ADMIN_TAGS, ClusterView, Identity, connection_name
 
 POLICY_TAGS = ("administrator", "policymaker")
@@ -137,6 +138,15 @@ def command_for(
             return Command("put_vhost", {"name": rest[0]}, who)
         if method == "DELETE":
             return Command("delete_vhost", {"name": rest[0]}, who)
+    elif head == "feature-flags" and len(rest) == 2 and rest[1] == "enable" and method == "PUT":
+        # RabbitMQ's way to turn on a feature once every node runs the new release: ours are
+        # the model versions (model/versions.py), enabled in order.
+        if not admin:
+            return not_admin
+        version = flag_version(rest[0])
+        if version is None:
+            return _not_found()
+        return Command(RAISE_MODEL_VERSION, {"version": version}, who)
     elif head == "permissions" and len(rest) == 2:
         if not admin:
             return not_admin
@@ -294,6 +304,8 @@ def response_for(command: Command, status: int, body: Any) -> Shaped:
     successful write with an empty body; a bind with where the binding is (``Location``:
     the destination and the binding's properties key, escaped once more, relative)."""
     headers: tuple[tuple[str, str], ...] = ()
+    if command.op == RAISE_MODEL_VERSION and status == 200:
+        return Shaped(204, b"", headers)  # as RabbitMQ's feature flag enable
     if command.op == "bind" and status == 201 and isinstance(body, dict):
         where = "/".join(
             urllib.parse.quote(str(x), safe="")

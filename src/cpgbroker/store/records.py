@@ -33,20 +33,22 @@ from cpgbroker.model.events import (
     decode_forward,
     encode_forward,
 )
+from cpgbroker.model.eventtypes import journal_type
 
-R_DATA = 1
-R_CONNECTED = 2
-R_DISCONNECTED = 3
-R_DO_OUTPUT = 4
-R_CLOSE_CLIENT = 5
-R_TICK = 6
-R_MEMBER_LEFT = 7
-R_MEMBERS = 8
-R_RECOVERED = 9
-R_DISK_ALARM = 10
-R_ADMIN = 11
-R_FORWARD = 12
-R_CHANGES = 13
+# The record types: model/eventtypes.py numbers every kind of event once, for both codecs.
+R_DATA = journal_type(ClientData)
+R_CONNECTED = journal_type(ClientConnected)
+R_DISCONNECTED = journal_type(ClientDisconnected)
+R_DO_OUTPUT = journal_type(DoOutput)
+R_CLOSE_CLIENT = journal_type(CloseClient)
+R_TICK = journal_type(Tick)
+R_MEMBER_LEFT = journal_type(MemberLeft)
+R_MEMBERS = journal_type(ClusterMembers)
+R_RECOVERED = journal_type(Recovered)
+R_DISK_ALARM = journal_type(DiskAlarm)
+R_ADMIN = journal_type(AdminCommand)
+R_FORWARD = journal_type(Forward)
+R_CHANGES = journal_type(Changes)
 # Or'ed into the type byte: the cluster failed this event (it counts, its connection closes).
 FAILED = 0x80
 

@@ -154,6 +154,9 @@ class Store:
         self.model_version = model_version
         # The version of the empty base (no snapshot): see meta.py.
         self.base_version = model_version
+        # Whether the base is the empty initial state (not a snapshot, nor a state update's
+        # state whose snapshot is still being written).
+        self.empty_base = True
         self.disk: Disk = OsDisk() if disk is None else disk
         # Runs a snapshot writer in a forked child and returns its pid; None: write inline
         # (tests on a simulated disk).
@@ -293,6 +296,11 @@ class Store:
         p.finished = time.monotonic()
         self.base_seq = m.base_seq
         self.snapshot_name = m.snapshot
+        self.empty_base = m.snapshot is None
+        # What the journal holds now is what was replayed (a torn tail is cut): a version
+        # marked before a crash whose switch never reached the journal is taken back, so the
+        # release before it can still read this store.
+        self.model_version = broker.version.current
         self.journal_bytes = p.journal_bytes
         r = Recovery(
             broker,
@@ -398,6 +406,7 @@ class Store:
             seq,
         )
         self.replacing = True
+        self.empty_base = False
         self.model_version = self.base_version = broker.version.current
         self._save_meta(meta.REPLACING)
         if self.syncer is not None:
@@ -454,6 +463,7 @@ class Store:
         old = self.snapshot_name
         self.base_seq = seq
         self.snapshot_name = name
+        self.empty_base = False
         was_replacing = self.replacing
         self.replacing = False
         self.snapshots_taken += 1
@@ -486,7 +496,7 @@ class Store:
         the metadata before any such event is journaled."""
         if version == self.model_version:
             return
-        if self.snapshot_name is None and self.next_seq == self.base_seq + 1:
+        if self.empty_base and self.next_seq == 1:
             # Nothing journaled on the empty base: the cluster starts at this version.
             self.base_version = version
         elif version < self.model_version:
@@ -518,7 +528,7 @@ class Store:
                 # Only where no snapshot says it, and only when it says more (a store of the
                 # oldest version keeps release 0.1.0's metadata).
                 self.base_version
-                if self.snapshot_name is None and self.base_version != self.model_version
+                if self.empty_base and self.base_version != self.model_version
                 else None,
             ),
         )
