@@ -17,9 +17,11 @@ Rolling (default):
   the member, restarted on the same release), then each member in turn *upgraded* (stopped
   cleanly, started on the current code), then ``cluster upgrade-finish``.
 * **Throughput**, 1 KiB persistent messages with confirms, 4 producers and 4 consumers spread
-  over the members (the shared ``amqp_load.py``), ``--seconds`` each: every member on 0.1.0,
-  one and two members upgraded (mixed), all upgraded at model version 7, and at 8 after
-  ``upgrade-finish``. ``mixed_vs_unmixed`` is the mixed clusters' rate over the all-0.1.0 one.
+  over the members that serve (hot standby: the primary; the shared ``amqp_load.py`` does not
+  follow a new primary, so there is no background load there), ``--seconds`` each: every
+  member on 0.1.0, one and two members upgraded (mixed), all upgraded at model version 7, and
+  at 8 after ``upgrade-finish``. ``mixed_vs_unmixed`` is the mixed clusters' rate over the
+  all-0.1.0 one.
 
 ``--full-stop N``: N persistent 1 KiB messages published with confirms on 0.1.0, every member
 killed with SIGKILL, the stores copied aside; then the time until a client is served (the
@@ -31,10 +33,12 @@ upgrade).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -64,17 +68,22 @@ def old_python() -> str:
     raise SystemExit(f"release {OLD} is not in {releases.RELEASES_FILE}")
 
 
-def load(shared: Path, bs: BrokerSet, seconds: float, rate: int | None = None) -> dict[str, Any]:
-    """The shared load generator against every member; its report's rates."""
+def serving(bs: BrokerSet) -> list[int]:
+    """The members that take clients: every member, or (hot standby) the primary alone."""
+    p = primary(bs)
+    s = bs.status(p)
+    return [p] if s is not None and s.get("role") == "primary" else [1, 2, 3]
+
+
+def load(shared: Path, bs: BrokerSet, seconds: float) -> dict[str, Any]:
+    """The shared load generator against the members that serve; its report's rates."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     cmd = [sys.executable, str(shared / "bench" / "amqp_load.py")]
-    for n in (1, 2, 3):
+    for n in serving(bs):
         cmd += ["--url", bs.url(n)]
     cmd += ["--queue", QUEUE, "--size", "1024", "--confirm", "--persistent", "--durable"]
     cmd += ["--producers", "4", "--consumers", "4", "--seconds", str(seconds)]
-    if rate:
-        cmd += ["--rate", str(rate), "--producers", "1", "--consumers", "1"]
     cmd += ["--json-out", out, "--drain-timeout", "60"]
     subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
     try:
@@ -122,6 +131,15 @@ async def probe_gap(bs: BrokerSet, first: int, action: Any, after: float) -> flo
     return round(max(b - a for a, b in itertools.pairwise(times)), 3)
 
 
+def primary(bs: BrokerSet) -> int:
+    """The member clients are served by (active-active: member 3, as any)."""
+    for n in (1, 2, 3):
+        s = bs.status(n)
+        if s is not None and s.get("role") == "primary":
+            return n
+    return 3
+
+
 def finish(bs: BrokerSet, node: int) -> str:
     out = subprocess.run(
         [sys.executable, "-m", "cpgbroker", "cluster", "upgrade-finish", *bs.cli_args(node)],
@@ -155,36 +173,53 @@ def rolling(args: argparse.Namespace, old: str) -> dict[str, Any]:
 
                 return act
 
-            def background() -> subprocess.Popen[bytes]:
+            def background() -> subprocess.Popen[bytes] | None:
+                if args.mode == "hot-standby":
+                    return None  # (the shared generator does not follow a new primary)
                 cmd = [sys.executable, str(args.shared / "bench" / "amqp_load.py")]
                 for n in (1, 2, 3):
                     cmd += ["--url", bs.url(n)]
                 cmd += ["--queue", QUEUE, "--size", "1024", "--confirm", "--persistent"]
                 cmd += ["--durable", "--producers", "1", "--consumers", "1"]
                 cmd += ["--rate", str(args.rate), "--seconds", "600"]
-                return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                # Its own process group: the generator runs its clients as child processes.
+                return subprocess.Popen(
+                    cmd,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+
+            def stop(p: subprocess.Popen[bytes] | None) -> None:
+                if p is None:
+                    return
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGTERM)
+                p.wait()
 
             bg = background()
             try:
                 time.sleep(2)
-                gaps["failover_member_3"] = trio.run(
-                    probe_gap, bs, 3, kill_restart(3, old, True), args.after
+                # The member whose loss clients feel: hot standby, the primary.
+                victim = primary(bs)
+                gaps[f"failover_member_{victim}"] = trio.run(
+                    probe_gap, bs, victim, kill_restart(victim, old, True), args.after
                 )
-                for i, n in enumerate((1, 2, 3)):
+                # Hot standby: the backups first, the primary last (its clients move once).
+                first = primary(bs)
+                for i, n in enumerate([m for m in (1, 2, 3) if m != first] + [first]):
                     gaps[f"upgrade_member_{n}"] = trio.run(
                         probe_gap, bs, n, kill_restart(n, sys.executable, False), args.after
                     )
                     if i < 2:
-                        bg.terminate()
-                        bg.wait()
+                        stop(bg)
                         rates[f"mixed_{i + 1}_upgraded"] = load(args.shared, bs, args.seconds)
                         bg = background()
                         time.sleep(2)
             finally:
-                bg.terminate()
-                bg.wait()
+                stop(bg)
             rates["all_upgraded_model_7"] = load(args.shared, bs, args.seconds)
-            out["upgrade_finish"] = finish(bs, 1)
+            out["upgrade_finish"] = finish(bs, primary(bs))
             rates["all_upgraded_model_8"] = load(args.shared, bs, args.seconds)
             out["throughput"] = rates
             out["longest_client_wait_s"] = gaps

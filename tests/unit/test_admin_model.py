@@ -18,7 +18,10 @@ from cpgbroker.model import auth, snapshot
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.events import AdminCommand, AdminReply
 from cpgbroker.model.permissions import TRUSTED
+from cpgbroker.model.versions import NEWEST, OLDEST
 from cpgbroker.store import records
+from cpgbroker.wire import fastpath as fp
+from cpgbroker.wire.fieldtable import decode_table
 from modelclient import Harness
 
 HASH = auth.hash_password("s3cret", b"salt")
@@ -314,6 +317,98 @@ def test_queue_exchange_binding_publish_and_get_through_the_api(h: Harness, ops:
     assert ops("delete_exchange", vhost="/", name="ev")[0] == 204
     assert ops("delete_queue", vhost="/", name="sink")[0] == 204
     assert ops("delete_queue", vhost="/", name="sink")[0] == 404
+
+
+@pytest.mark.parametrize("version", [OLDEST, NEWEST])
+def test_api_publish_types_header_values_as_rabbitmqs_management_plugin(version: int) -> None:
+    """From model version 8 the management API's publish writes JSON numbers as RabbitMQ's
+    management plugin does (``rabbit_misc:to_amqp_table``): integers as signed 64-bit ``l``,
+    other numbers as doubles ``d``, so 1.1 and 1e308 arrive whole; at 7 as release 0.1.0 did
+    (pamqp: 32-bit floats, the smallest integer type)."""
+    h = Harness(Broker(version=version))
+    ops = Ops(h)
+    assert ops("put_queue", vhost="/", name="sink")[0] == 201
+    headers = {
+        "price": 1.1,
+        "big": 1e308,
+        "n": 5,
+        "s": "x",
+        "yes": True,
+        "list": [1, 2.5, "y"],
+        "table": {"z": 0.1, "a": -7},
+    }
+    status, body = ops(
+        "publish",
+        vhost="/",
+        name="",
+        routing_key="sink",
+        payload="m",
+        payload_encoding="string",
+        properties={"headers": headers, "delivery_mode": 2},
+    )
+    if version == OLDEST:
+        # pamqp cannot write 1e308 as its 32-bit float.
+        assert status == 400 and "invalid message properties" in body["reason"]
+        del headers["big"]
+        status, body = ops(
+            "publish",
+            vhost="/",
+            name="",
+            routing_key="sink",
+            payload="m",
+            payload_encoding="string",
+            properties={"headers": headers, "delivery_mode": 2},
+        )
+    assert (status, body) == (200, {"routed": True})
+    (entry,) = h.broker.vhosts["/"].queues["sink"].messages
+    header = entry.msg.header
+    start, end = fp.property_span(header, fp.FLAG_HEADERS)
+    table = decode_table(header, start, end)[0]
+    types = {name: chr(f.kind) for name, f in table}
+    assert [name for name, _ in table] == sorted(headers)  # in name order, as both write them
+    if version == OLDEST:
+        assert types == {"list": "A", "n": "b", "price": "f", "s": "S", "table": "F", "yes": "t"}
+        price = table.get("price")
+        assert price is not None and price.value != 1.1  # cut to 32 bits
+        return
+    assert types == {
+        "big": "d",
+        "list": "A",
+        "n": "l",
+        "price": "d",
+        "s": "S",
+        "table": "F",
+        "yes": "t",
+    }
+    assert {name: f.value for name, f in table if chr(f.kind) in "dlSt"} == {
+        "big": 1e308,
+        "n": 5,
+        "price": 1.1,
+        "s": b"x",
+        "yes": True,
+    }
+    inner = table.get("table")
+    assert inner is not None and [(k, chr(f.kind), f.value) for k, f in inner.value] == [  # type: ignore[union-attr]
+        ("a", "l", -7),
+        ("z", "d", 0.1),
+    ]
+    items = table.get("list")
+    assert items is not None and [(chr(f.kind), f.value) for f in items.value] == [  # type: ignore[union-attr]
+        ("l", 1),
+        ("d", 2.5),
+        ("S", b"y"),
+    ]
+    # A value JSON has but a table cannot hold is a 400, not an exception of the member.
+    status, body = ops(
+        "publish",
+        vhost="/",
+        name="",
+        routing_key="sink",
+        payload="m",
+        payload_encoding="string",
+        properties={"headers": {"huge": 2**70}},
+    )
+    assert status == 400 and "invalid message properties" in body["reason"]
 
 
 def test_api_declares_answer_as_rabbitmq_does(ops: Ops) -> None:

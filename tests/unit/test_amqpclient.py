@@ -245,6 +245,31 @@ def test_publish_splits_the_body_at_frame_max() -> None:
     assert p.data_to_send() == b""
 
 
+def test_a_delivery_keeps_its_content_header_and_a_publish_may_send_one_as_it_is() -> None:
+    """A federation link forwards and pushes content headers byte for byte (model version 8):
+    the protocol keeps a delivery's header payload as it came and sends a given one as it is,
+    but for the body size, which is the body's."""
+    table = struct.pack(">I", 11) + b"\x01fd" + struct.pack(">d", 1.1)
+    header = (
+        struct.pack(">HHQH", 60, 0, 3, 0x2000 | 0x1000) + table + b"\x02"  # headers, mode 2
+    )
+    p = opened(frame_max=4096)
+    ch = p.open_channel()
+    p.data_to_send()
+    deliver = server(commands.Basic.Deliver(consumer_tag="c", delivery_tag=1, routing_key="k"), ch)
+    head = struct.pack(">BHI", 2, ch, len(header)) + header + b"\xce"
+    [d] = p.receive_data(deliver + head + pframe.marshal(ContentBody(b"abc"), ch))
+    assert isinstance(d, Delivery) and d.header == header and d.body == b"abc"
+    p.send_publish(ch, "x", "rk", b"hello", header=header)
+    out = frames(p.data_to_send())
+    assert [f[0] for f in out] == [1, 2, 3]
+    assert out[1][2] == header[:4] + struct.pack(">Q", 5) + header[12:]
+    assert out[2][2] == b"hello"
+    with pytest.raises(AmqpClientError):
+        p.send_publish(ch, "x", "rk", b"x", header=b"short")
+    assert p.data_to_send() == b""
+
+
 def test_confirms_single_multiple_and_out_of_order() -> None:
     p = opened()
     ch = p.open_channel()

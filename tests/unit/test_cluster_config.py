@@ -26,3 +26,23 @@ def test_members_with_other_checkpoint_intervals_do_not_share_a_cluster() -> Non
     a = config_digest(from_dict(cluster()))
     assert a == config_digest(from_dict(cluster(checkpoint_every=10_000)))
     assert a != config_digest(from_dict(cluster(checkpoint_every=500)))
+
+
+def test_consumer_timeout_is_read_in_ms_and_off_with_0_or_false() -> None:
+    def timeout(**limits: object) -> int | None:
+        return from_dict({"limits": limits}).broker.consumer_timeout
+
+    assert timeout() == 1_800_000  # RabbitMQ's default (3.8.17 on), 30 minutes
+    assert timeout(consumer_timeout=500) == 500
+    assert timeout(consumer_timeout=0) is None and timeout(consumer_timeout=False) is None
+    for bad in (True, -1, 1.5, "10s"):
+        with pytest.raises(ConfigError, match="consumer_timeout"):
+            timeout(consumer_timeout=bad)
+
+
+def test_a_consumer_timeout_at_its_default_hashes_as_release_0_1_0_did() -> None:
+    """A setting release 0.1.0 did not have is part of the members' configuration digest only
+    when it is not its default: members of 0.1.0 and of this release still match."""
+    a = config_digest(from_dict(cluster()))
+    assert a == config_digest(from_dict({**cluster(), "limits": {"consumer_timeout": 1_800_000}}))
+    assert a != config_digest(from_dict({**cluster(), "limits": {"consumer_timeout": 500}}))

@@ -75,9 +75,9 @@ def scan_remove_consumers(self: Consumers, cs: list[Consumer]) -> list[Queue]:
     gone = {id(c): c for c in cs}
     if any(c.unacked for c in cs):
         unacked = ch.unacked
-        for tag, (dq, e, dc) in unacked.items():
+        for tag, (dq, e, dc, at) in unacked.items():
             if dc is not None and id(dc) in gone:
-                unacked[tag] = (dq, e, None)
+                unacked[tag] = (dq, e, None, at)
         for c in cs:
             c.unacked = 0
     now = self._clock.now_ms

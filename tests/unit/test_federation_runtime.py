@@ -7,19 +7,28 @@ from __future__ import annotations
 import collections
 import ssl
 from pathlib import Path
+from typing import Any
 
+from pamqp import commands
+from pamqp import encode as pencode
+from pamqp import header as pheader
 from test_admin_model import Ops
 
 import tlscerts
-from cpgbroker.model.federation import Link, Upstream
+from cpgbroker.model.federation import RECEIVED_FROM, Link, Upstream
 from cpgbroker.runtime.federation import (
+    been_at_exact,
     client_context,
     owner,
     queue_name,
     redacted,
+    travelled_exact,
     wanted_bindings,
+    with_hop_exact,
 )
 from cpgbroker.runtime.tls import TlsConfig
+from cpgbroker.wire import fastpath as fp
+from cpgbroker.wire.fieldtable import DOUBLE, Field, Table, decode_table
 from modelclient import Harness
 
 
@@ -119,3 +128,59 @@ def test_a_link_whose_runner_left_shows_as_starting_until_the_next_one_reports()
     h.apply(MemberLeft(7))
     assert shown(8, 9)["status"] == "starting"
     assert h.broker.federation.status[("/", "ev", "central")]["pushed"] == 12
+
+
+def _header(headers: bytes | None, **props: Any) -> bytes:
+    """A content header (class basic, body of 1 byte) with ``headers`` as its table's bytes
+    (u32 length first) and other properties from pamqp."""
+    raw = bytes(pheader.ContentHeader(0, 1, commands.Basic.Properties(**props)).marshal())
+    if headers is None:
+        return raw
+    flags = (raw[12] << 8 | raw[13]) | fp.FLAG_HEADERS
+    at = fp.property_span(raw, fp.FLAG_HEADERS)[0]
+    return raw[:12] + bytes((flags >> 8, flags & 0xFF)) + raw[14:at] + headers + raw[at:]
+
+
+def test_from_model_version_8_a_link_changes_only_x_received_from() -> None:
+    """What a link forwards or pushes keeps every header byte for byte (a double, a long
+    string that is not UTF-8, a name given twice); its hop goes at the end of
+    ``x-received-from``, written as pamqp wrote it at version 7."""
+    earlier = Table([("cluster-name", Field.longstr("far")), ("exchange", Field.longstr("e"))])
+    table = Table(
+        [
+            ("price", Field.of(DOUBLE, 1.1)),
+            ("id", Field.longstr(b"\xff\xfe")),
+            ("dup", Field.long(1)),
+            ("dup", Field.long(2)),
+            (RECEIVED_FROM, Field.array([Field.table(earlier)])),
+            ("after", Field.of(DOUBLE, 4.9e-324)),
+        ]
+    )
+    header = _header(table.encode(), content_type="text/plain", delivery_mode=2)
+    got, seen = travelled_exact(header)
+    assert got == table and len(seen) == 1
+    assert been_at_exact(seen, "far", 10) and not been_at_exact(seen, "near", 10)
+    assert been_at_exact(seen, "near", 1)  # max-hops
+    hop = {"uri": "amqp://u@h/", "exchange": "x", "cluster-name": "us", "redelivered": False}
+    out = with_hop_exact(header, got, seen, hop)
+    start, end = fp.property_span(out, fp.FLAG_HEADERS)
+    after = decode_table(out, start, end)[0]
+    hops = after.get(RECEIVED_FROM)
+    assert hops is not None and isinstance(hops.value, list)
+    assert hops.value[0] == Field.table(earlier)
+    # The new entry: the bytes pamqp wrote for the same dict at version 7.
+    assert hops.value[1].data == pencode.field_table(hop)
+    # Everything else as it was: the other entries, in their places, and every property.
+    assert [(k, f) for k, f in after if k != RECEIVED_FROM] == [
+        (k, f) for k, f in table if k != RECEIVED_FROM
+    ]
+    assert [k for k, _ in after] == [k for k, _ in table]
+    h0, h1 = fp.property_span(header, fp.FLAG_HEADERS)
+    assert out[:14] == header[:14] and out[14:start] == header[14:h0]
+    assert out[end:] == header[h1:]
+    # A header without a table gets one holding the hop only.
+    bare = _header(None, content_type="a")
+    out = with_hop_exact(bare, *travelled_exact(bare), hop)
+    start, end = fp.property_span(out, fp.FLAG_HEADERS)
+    assert [k for k, _ in decode_table(out, start, end)[0]] == [RECEIVED_FROM]
+    assert fp.parse_content_header(out, roundtrip=False).headers_span == (start, end)

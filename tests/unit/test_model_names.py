@@ -10,7 +10,10 @@ from pamqp import commands as C
 from pamqp import frame as pframe
 
 from cpgbroker.model import snapshot as S
+from cpgbroker.model.broker import Broker
+from cpgbroker.model.config import BrokerConfig, User
 from cpgbroker.model.output import basic_return, queue_declare_ok
+from cpgbroker.model.versions import OLDEST
 from modelclient import Client, Harness, bodies, marshal_unchecked
 
 ODD_NAMES = [
@@ -146,7 +149,9 @@ def test_reserved_prefixes_and_the_default_exchange_keep_their_rules() -> None:
 
 
 def test_pamqps_other_validation_still_applies() -> None:
-    h = Harness()
+    # At model version 7 (release 0.1.0) pamqp's 127-character limit on the virtual host holds;
+    # from 8 it does not (below).
+    h = Harness(Broker(version=OLDEST))
     c = h.connect(1)
     c.send_raw(b"AMQP\x00\x00\x09\x01")
     c.rpc(
@@ -157,6 +162,37 @@ def test_pamqps_other_validation_still_applies() -> None:
     close = c.rpc_unchecked(0, C.Connection.Open, virtual_host="v" * 128)
     assert isinstance(close, C.Connection.Close) and close.reply_code == 502
     assert "Max length exceeded for virtual_host" in close.reply_text
+
+
+@pytest.mark.parametrize("name", ["v" * 128, "é" * 127 + "v"])
+def test_a_virtual_host_name_of_up_to_255_bytes_opens_from_model_version_8(name: str) -> None:
+    """RabbitMQ takes any short string as a virtual host name in connection.open; pamqp's
+    limit (127 characters) holds at model version 7 only."""
+    assert len(name.encode()) <= 255
+    b = Broker(BrokerConfig(vhosts=("/", name), users=(User("u", "p", ("/", name)),)))
+    h = Harness(b)
+    c = h.connect(1)
+    c.send_raw(b"AMQP\x00\x00\x09\x01")
+    c.rpc(0, C.Connection.StartOk(client_properties={}, mechanism="PLAIN", response="\0u\0p"))
+    c.send(0, C.Connection.TuneOk(channel_max=10, frame_max=131072, heartbeat=0))
+    assert isinstance(c.rpc_unchecked(0, C.Connection.Open, virtual_host=name), C.Connection.OpenOk)
+    assert b.connections[1].vhost == name
+    # A name no vhost has is refused as RabbitMQ refuses it, whatever its length.
+    d = h.connect(2)
+    d.send_raw(b"AMQP\x00\x00\x09\x01")
+    d.rpc(0, C.Connection.StartOk(client_properties={}, mechanism="PLAIN", response="\0u\0p"))
+    d.send(0, C.Connection.TuneOk(channel_max=10, frame_max=131072, heartbeat=0))
+    close = d.rpc_unchecked(0, C.Connection.Open, virtual_host="w" * 255)
+    assert isinstance(close, C.Connection.Close) and close.reply_code == 530
+    assert close.reply_text == f"NOT_ALLOWED - vhost {'w' * 255} not found"[:255]
+    # At version 7 the same open is refused by pamqp's limit.
+    old = Harness(Broker(b.config, version=OLDEST))
+    e = old.connect(1)
+    e.send_raw(b"AMQP\x00\x00\x09\x01")
+    e.rpc(0, C.Connection.StartOk(client_properties={}, mechanism="PLAIN", response="\0u\0p"))
+    e.send(0, C.Connection.TuneOk(channel_max=10, frame_max=131072, heartbeat=0))
+    close = e.rpc_unchecked(0, C.Connection.Open, virtual_host=name)
+    assert isinstance(close, C.Connection.Close) and close.reply_code == 502
 
 
 def test_a_name_that_is_not_utf8_is_a_frame_error_as_in_rabbitmq() -> None:

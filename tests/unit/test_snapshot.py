@@ -22,6 +22,7 @@ from cpgbroker.model.config import Policy
 from cpgbroker.model.confirms import Confirms
 from cpgbroker.model.connection import Connections
 from cpgbroker.model.consumers import Consumers
+from cpgbroker.model.consumertimeout import ConsumerTimeouts
 from cpgbroker.model.delivery import Delivery
 from cpgbroker.model.entities import (
     Channel,
@@ -95,6 +96,7 @@ COMPONENTS = (
     ResourceOps,
     Federation,
     Replication,
+    ConsumerTimeouts,
 )
 # Component attributes that are transient between events or replica-local statistics
 # (configuration is compared: equal by construction).

@@ -110,7 +110,9 @@ class Admin:
         # Not replicated.
         self.local_member = 0
         # Queues, exchanges, bindings, messages, connections: their own component.
-        self.resources = res = ResourceOps(permissions, topology, conns, delivery, consumers)
+        self.resources = res = ResourceOps(
+            permissions, topology, conns, delivery, consumers, version
+        )
         self._ops: dict[str, Callable[[dict[str, Any], str], Answer]] = {
             "put_user": self.put_user,
             "delete_user": self.delete_user,

@@ -38,7 +38,9 @@ from cpgbroker.model.consumers import Consumers
 from cpgbroker.model.delivery import Delivery
 from cpgbroker.model.permissions import READ, WRITE, Permissions
 from cpgbroker.model.topology import Topology
-from cpgbroker.wire.fastpath import parse_content_header
+from cpgbroker.model.versions import EXACT_FIELD_TABLES, ModelVersion
+from cpgbroker.wire.fastpath import FLAG_HEADERS, parse_content_header, property_span
+from cpgbroker.wire.fieldtable import BOOL, DOUBLE, LONG, VOID, Field, Table
 from cpgbroker.wire.framer import FrameReader
 
 R = ReplyCode
@@ -62,7 +64,10 @@ class ResourceOps:
         conns: Connections,
         delivery: Delivery,
         consumers: Consumers,
+        version: ModelVersion,
     ) -> None:
+        # The cluster's model version (read at every use: it moves up at an event).
+        self._version = version
         self._permissions = permissions
         self._topology = topology
         self._conns = conns
@@ -266,7 +271,11 @@ class ResourceOps:
                 raise bad_request(f"not_base64: {payload}"[:200]) from None
         else:
             raise bad_request(f"unsupported_encoding: {encoding}"[:200])
-        header = _content_header(table_arg(args, "properties"), len(body))
+        header = _content_header(
+            table_arg(args, "properties"),
+            len(body),
+            exact=self._version.at_least(EXACT_FIELD_TABLES),
+        )
         routed = self._delivery.publish_admin(
             vh, ex, text_arg(args, "routing_key", ""), header, body
         )
@@ -346,9 +355,14 @@ _PROPERTY_NAMES = {
 }
 
 
-def _content_header(props: dict[str, Any], size: int) -> bytes:
+def _content_header(props: dict[str, Any], size: int, *, exact: bool = False) -> bytes:
     """The content header of a message published through the API, encoded by pamqp (once,
-    on every replica alike: its encoding is a pure function of the properties)."""
+    on every replica alike: its encoding is a pure function of the properties). With
+    ``exact`` (model version 8, ``EXACT_FIELD_TABLES``) the ``headers`` table is written as
+    RabbitMQ's management plugin writes it (``rabbit_misc:to_amqp_table``): integers as
+    signed 64-bit ``l``, numbers with a fraction or an exponent as doubles ``d`` (pamqp writes
+    a 32-bit ``f``, which cuts them), strings ``S``, booleans ``t``, objects ``F`` and lists
+    ``A`` alike inside, names in order; a JSON null stays a void ``V`` (RabbitMQ refuses it)."""
     kw: dict[str, Any] = {}
     for key, value in props.items():
         name = _PROPERTY_NAMES.get(key)
@@ -357,13 +371,48 @@ def _content_header(props: dict[str, Any], size: int) -> bytes:
     exp = kw.get("expiration")
     if exp is not None and (not isinstance(exp, str) or not exp.isdigit() or not exp.isascii()):
         raise bad_request(f"invalid expiration {exp!r}")
+    headers = kw.pop("headers", None) if exact else None
     try:
         raw = bytes(pheader.ContentHeader(0, size, commands.Basic.Properties(**kw)).marshal())
+        if headers is not None:
+            if not isinstance(headers, dict):
+                raise ValueError(f"headers must be an object, not {_json_type(headers)}")
+            raw = _with_headers(raw, _rabbit_field(headers).data)
         # Through our own check too: what a client could not publish, the API cannot.
-        parse_content_header(raw)
+        parse_content_header(raw, roundtrip=not exact)
     except (TypeError, ValueError, OverflowError, AttributeError) as e:
         raise bad_request(f"invalid message properties: {e}") from None
     return raw
+
+
+def _rabbit_field(v: Any) -> Field:
+    """A JSON value as RabbitMQ's management plugin types it (``_content_header``)."""
+    if isinstance(v, bool):
+        return Field.of(BOOL, v)
+    if isinstance(v, int):
+        return Field.of(LONG, v)
+    if isinstance(v, float):
+        return Field.of(DOUBLE, v)
+    if isinstance(v, str):
+        return Field.longstr(v)
+    if isinstance(v, dict):
+        return Field.table(Table((str(k), _rabbit_field(x)) for k, x in sorted(v.items())))
+    if isinstance(v, list):
+        return Field.array(_rabbit_field(x) for x in v)
+    if v is None:
+        return Field.of(VOID, None)
+    raise ValueError(f"unhandled type {_json_type(v)}")
+
+
+def _with_headers(header: bytes, table: bytes) -> bytes:
+    """``header`` (which has no headers) with the headers table ``table`` (u32 length first)."""
+    flags = (header[12] << 8 | header[13]) | FLAG_HEADERS
+    at = property_span(header, FLAG_HEADERS)[0]
+    return header[:12] + bytes((flags >> 8, flags & 0xFF)) + header[14:at] + table + header[at:]
+
+
+def _json_type(v: Any) -> str:
+    return type(v).__name__
 
 
 def _properties_json(header: bytes) -> dict[str, Any]:

@@ -15,8 +15,8 @@ members replay one CPG stream into identical brokers.
   spends one. When credit runs out while messages wait, the model emits :class:`WantOutput` so
   the member owning the connection can grant more once its socket drains. This is the seed
   design's do-output: allocation depends only on ordered events, never on socket writability.
-* Time is :class:`Tick` events. Heartbeats, message TTL and queue x-expires act on ticks only;
-  ``now_ms`` is the last tick's time.
+* Time is :class:`Tick` events. Heartbeats, message TTL, queue x-expires and consumer timeouts
+  act on ticks only; ``now_ms`` is the last tick's time.
 * Output is collected per connection during one ``apply`` and returned as one :class:`Send`
   per connection, followed by any close. Shadow connections (``emit`` false) skip encoding.
 
@@ -42,6 +42,7 @@ component         module                 owns
 ``delivery``      ``delivery.py``        the message counter; publish, route, enqueue,
                                          dispatch, TTL, dead letters
 ``consumers``     ``consumers.py``       consumers; ack / nack / reject / requeue
+``timeouts``      ``consumertimeout.py`` consumer timeouts: the channels a tick may close
 ``transactions``  ``transactions.py``    tx.select / commit / rollback
 ``channels``      ``channel.py``         the method table; channels opening and closing
 ``conns``         ``connection.py``      ``connections``; handshake, frames, closes
@@ -66,6 +67,7 @@ from cpgbroker.model.config import BrokerConfig
 from cpgbroker.model.confirms import Confirms
 from cpgbroker.model.connection import Connections
 from cpgbroker.model.consumers import Consumers
+from cpgbroker.model.consumertimeout import ConsumerTimeouts
 from cpgbroker.model.delivery import Delivery
 from cpgbroker.model.entities import Connection, Queue
 from cpgbroker.model.events import (
@@ -96,7 +98,7 @@ from cpgbroker.model.replica import Replication
 from cpgbroker.model.topology import Topology, VHost
 from cpgbroker.model.transactions import Transactions
 from cpgbroker.model.users import Users
-from cpgbroker.model.versions import NEWEST, ModelVersion
+from cpgbroker.model.versions import CONSUMER_TIMEOUTS, NEWEST, ModelVersion
 
 __all__ = ["Broker", "VHost"]
 
@@ -154,6 +156,10 @@ class Broker:
         )
         self.topology.on_failover_bind = self.delivery.publish_members
         self.delivery.push_to = self._push_queues
+        self.timeouts = ConsumerTimeouts(
+            cfg.consumer_timeout, self.clock, self.connections, self.version
+        )
+        self.delivery.on_unacked = self.timeouts.delivered
         self.consumers = Consumers(
             self.clock, self.out, self.mark, self.topology, self.delivery, self.permissions
         )
@@ -168,6 +174,7 @@ class Broker:
             self.confirms,
             self.transactions,
         )
+        self.timeouts.close_channel = self.channels.channel_error
         self.conns = Connections(
             cfg,
             self.connections,
@@ -181,6 +188,7 @@ class Broker:
             self.channels,
             self.flow,
             self.users.by_name,
+            self.version,
         )
         self.admin = Admin(
             self.users,
@@ -242,15 +250,20 @@ class Broker:
             self.replication.fold_all()
             self.topology.drop_transient()
         elif t is AdminCommand:
+            before = self.version.current
             self.admin.apply(event)  # type: ignore[arg-type]
+            if before < CONSUMER_TIMEOUTS <= self.version.current:
+                # The cluster moved to consumer timeouts at this event (upgrade-finish).
+                self.timeouts.restart()
         elif t is Forward:
             self.admin.forward(event)  # type: ignore[arg-type]
         elif t is Changes:
             self.replication.apply(event.data)  # type: ignore[union-attr]
         else:
             raise InvariantError(f"unknown event {event!r}")
-        # Ticks only delete queues (which say so) and close connections; every other kind
-        # of event but client data and do-output may change definitions (model/changes.py).
+        # Ticks only delete queues (which say so) and close connections and channels; every
+        # other kind of event but client data and do-output may change definitions
+        # (model/changes.py).
         if (
             self._changes is not None
             and t is not ClientData
@@ -323,6 +336,7 @@ class Broker:
         # never goes back (every replica clamps the same way, so this stays deterministic).
         self.clock.now_ms = max(now_ms, self.clock.now_ms)
         self.conns.on_tick()
+        self.timeouts.on_tick()
         self.delivery.expire_ttl()
         self.topology.expire_unused()
         if self.flow.queues:

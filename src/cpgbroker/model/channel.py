@@ -95,10 +95,12 @@ _DECODE_ERRORS = (
 )
 
 
-def decode_method(payload: bytes, index: int) -> Any:
+def decode_method(payload: bytes, index: int, unchecked: tuple[str, ...] = ()) -> Any:
     """A method frame's payload decoded by pamqp and validated (see module docstring):
     arguments that do not decode are 501 FRAME_ERROR, tables over our limits 502 SYNTAX_ERROR,
-    an unknown method 540 NOT_IMPLEMENTED."""
+    an unknown method 540 NOT_IMPLEMENTED. ``unchecked`` names more arguments than the queue
+    and exchange names that pamqp's ``validate()`` does not see (connection.open's
+    virtual host from model version 8: model/connection.py)."""
     cls = commands.INDEX_MAPPING.get(index)
     if cls is None:
         raise ConnectionError_(
@@ -132,7 +134,7 @@ def decode_method(payload: bytes, index: int) -> Any:
         for name, default in _RESERVED_FIELDS:
             if hasattr(method, name):
                 setattr(method, name, default)
-        names = _name_fields(cls)
+        names = _name_fields(cls) + unchecked
         if names:
             # Validate everything but the names (an empty name passes pamqp's pattern), then
             # put the client's names back.

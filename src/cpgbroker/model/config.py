@@ -121,3 +121,8 @@ class BrokerConfig:
     # Whether this model is a cluster's replica (a member's model; not standalone, not a
     # member-local broker): a queue's x-replicate argument must say the same.
     replicated: bool = False
+    # RabbitMQ's consumer_timeout (ms; its default since 3.8.17): a channel whose oldest
+    # unacknowledged delivery waited longer is closed (model/consumertimeout.py, model version
+    # 8); None: no timeout but a queue's own x-consumer-timeout. Added after release 0.1.0:
+    # hashed into the members' configuration digest only when it is not its default.
+    consumer_timeout: int | None = attrs.field(default=1_800_000, metadata={"since": "0.2.0"})

@@ -63,6 +63,7 @@ from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output
 from cpgbroker.model.queueflow import QueueFlow
 from cpgbroker.model.topology import Topology
+from cpgbroker.model.versions import LONG_VHOST_NAMES, ModelVersion
 from cpgbroker.wire.fastpath import BASIC_ACK, BASIC_PUBLISH, method_index
 from cpgbroker.wire.framer import (
     FRAME_BODY,
@@ -100,6 +101,7 @@ _STATE_NAMES = {
     AWAIT_OPEN: "opening",
     OPEN: "running",
 }
+
 
 # How long (ms of cluster time) a connection we closed may take to answer close-ok.
 CLOSE_TIMEOUT_MS = 3000
@@ -175,6 +177,7 @@ class Connections:
         "_send_method",
         "_topology",
         "_users",
+        "_version",
         "connections",
         "deadlines",
     )
@@ -193,8 +196,11 @@ class Connections:
         channels: Channels,
         flow: QueueFlow,
         users: dict[str, User],
+        version: ModelVersion,
     ) -> None:
         self._config = config
+        # The cluster's model version (read at every use: it moves up at an event).
+        self._version = version
         self._flow = flow
         # The broker's users (model/users.py owns the dict and changes it in place).
         self._users = users
@@ -367,7 +373,12 @@ class Connections:
             # RabbitMQ (and the spec's "work with a channel that had not been correctly
             # opened"): 504 CHANNEL_ERROR.
             raise _unexpected(state, index)
-        m = decode_method(payload, index)
+        if index == IDX_CONNECTION_OPEN and self._version.at_least(LONG_VHOST_NAMES):
+            # A virtual host name may be any short string, up to 255 bytes, as in RabbitMQ
+            # (pamqp holds it to 127 characters: model version 7).
+            m = decode_method(payload, index, unchecked=("virtual_host",))
+        else:
+            m = decode_method(payload, index)
         if index == IDX_CONNECTION_CLOSE:
             self._release(conn)
             self._send_method(conn, 0, commands.Connection.CloseOk())

@@ -221,9 +221,9 @@ class Consumers:
         if any(c.unacked for c in cs):
             gone = {id(c): c for c in cs}
             unacked = ch.unacked
-            for tag, (dq, e, dc) in unacked.items():
+            for tag, (dq, e, dc, at) in unacked.items():
                 if dc is not None and id(dc) in gone:
-                    unacked[tag] = (dq, e, None)
+                    unacked[tag] = (dq, e, None, at)
             for c in cs:
                 c.unacked = 0
         # The consumers of ``cs`` on each queue.
@@ -304,11 +304,13 @@ class Consumers:
         if m.no_ack:
             self._release(q, e)
         else:
-            ch.unacked[tag] = (q, e, None)
+            ch.unacked[tag] = (q, e, None, now)
             q.unacked += 1
             changes = self._delivery.changes
             if changes is not None:
                 changes.delivered(q, e)
+            if ch.ack_q is not q:
+                self._delivery.on_unacked(ch, q)
         conn.last_tx_ms = now
         if conn.emit:
             msg = e.msg
@@ -453,7 +455,7 @@ class Consumers:
         if requeue:
             delivery = self._delivery
             over: list[tuple[Queue, Entry]] = []
-            for q, e, c in reversed(settled):
+            for q, e, c, _at in reversed(settled):
                 if c is not None:
                     c.unacked -= 1
                 q.unacked -= 1
@@ -473,7 +475,7 @@ class Consumers:
             delivery.dead_letter_over_limit(over)
             touched.reverse()
         else:
-            for q, e, c in settled:
+            for q, e, c, _at in settled:
                 if c is not None:
                     c.unacked -= 1
                 q.unacked -= 1
@@ -507,7 +509,7 @@ class Consumers:
         ch.unacked.clear()
         over: list[tuple[Queue, Entry]] = []
         # Back to their original places; in reverse tag order each lands at the head.
-        for q, e, c in reversed(items):
+        for q, e, c, _at in reversed(items):
             if c is not None:
                 c.unacked -= 1
             q.unacked -= 1

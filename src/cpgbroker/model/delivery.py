@@ -96,6 +96,10 @@ def fast_decode(decoder: Any, payload: bytes, name: str, method_id: int) -> Any:
         ) from None
 
 
+def _untimed(ch: Channel, q: Queue) -> None:
+    """``Delivery.on_unacked`` until the broker wires consumer timeouts in."""
+
+
 def _over(q: Queue, size: int) -> bool:
     return (q.max_length is not None and len(q.messages) + 1 > q.max_length) or (
         q.max_length_bytes is not None and q.ready_bytes + size > q.max_length_bytes
@@ -123,6 +127,7 @@ class Delivery:
         "_vhosts",
         "changes",
         "msg_seq",
+        "on_unacked",
         "push_to",
     )
 
@@ -167,6 +172,9 @@ class Delivery:
         self._published = permissions.published
         # A hot-standby primary's change log (model/changes.py; set by the broker).
         self.changes: ChangeLog | None = None
+        # A delivery to ack from another queue than its channel's last one (or its first):
+        # consumer timeouts look at it (model/consumertimeout.py; set by the broker).
+        self.on_unacked: Callable[[Channel, Queue], None] = _untimed
 
     # ------------------------------------------------------------------ publishing
 
@@ -758,15 +766,20 @@ class Delivery:
         tag = ch.next_tag
         conn.credit -= 1
         q.delivered_total += 1
+        now = self._clock.now_ms
         if c.no_ack:
             self._release(q, e)
         else:
-            ch.unacked[tag] = (q, e, c)
+            ch.unacked[tag] = (q, e, c, now)
             c.unacked += 1
             q.unacked += 1
             if self.changes is not None:
                 self.changes.delivered(q, e)
-        conn.last_tx_ms = self._clock.now_ms
+            if ch.ack_q is not q:
+                # The channel's first delivery to ack, or one from another queue than its
+                # last: its consumer timeout may start or get shorter (consumertimeout.py).
+                self.on_unacked(ch, q)
+        conn.last_tx_ms = now
         if conn.emit:
             msg = e.msg
             header = (

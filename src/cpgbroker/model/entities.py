@@ -290,16 +290,22 @@ def detach_unacked(c: Consumer) -> None:
     tag is not charged (and snapshots, which name consumers by tag, stay exact)."""
     if c.unacked:
         ch = c.channel
-        for tag, (dq, e, dc) in ch.unacked.items():
+        for tag, (dq, e, dc, at) in ch.unacked.items():
             if dc is c:
-                ch.unacked[tag] = (dq, e, None)
+                ch.unacked[tag] = (dq, e, None, at)
         c.unacked = 0
 
 
-# One unacked delivery on a channel: (queue, entry, consumer or None for basic.get). A plain
-# tuple on purpose: one is made per delivery, and a tuple costs a quarter of a slotted
-# instance there (the per-message path is what every replica pays for every client).
-Unacked = tuple["Queue", Entry, "Consumer | None"]
+# One unacked delivery on a channel: (queue, entry, consumer or None for basic.get, the cluster
+# time it was delivered at, in ms). A plain tuple on purpose: one is made per delivery, and a
+# tuple costs a quarter of a slotted instance there (the per-message path is what every
+# replica pays for every client). The time is what consumer timeouts measure
+# (model/consumertimeout.py): replicated state from model version 8 on (snapshots carry it
+# then); at version 7 nothing reads it, and the switch to 8 sets it anew.
+Unacked = tuple["Queue", Entry, "Consumer | None", int]
+
+# ``Channel.ack_floor`` of a channel that has no delivery a timeout applies to.
+NO_TIMEOUT = 1 << 62
 
 
 class PendingPublish:
@@ -477,6 +483,13 @@ class Channel:
     last_queue: str = ""
     # A publish whose content is still arriving.
     pending: PendingPublish | None = None
+    # Derived (model/consumertimeout.py, rebuilt on restore): the due time of the channel's
+    # live entry in the consumer-timeout heap (None: none), the smallest timeout of the queues
+    # it delivered from since it had nothing unacked (a lower bound), and the queue of its
+    # last delivery that must be acked (a delivery from another one looks at its timeout).
+    ack_due: int | None = None
+    ack_floor: int = NO_TIMEOUT
+    ack_q: Queue | None = None
 
 
 # Connection states, in handshake order.

@@ -136,6 +136,7 @@ class Restorer:
             [queues[i] for i in self.tail["expiring"]],
         )
         b.policies.mark_applied(b.vhosts.values())
+        b.timeouts.rebuild()
         _check(b)
         return b
 
@@ -253,11 +254,15 @@ class Restorer:
                 c.unacked = kd["unacked"]
                 ch.consumers[c.tag] = c
                 self.consumers[(conn.id, ch.id, c.tag)] = c
-            for tag, qi, raw, ctag in chd["unacked"]:
+            for row in chd["unacked"]:
+                tag, qi, raw, ctag = row[:4]
                 ch.unacked[tag] = (
                     queues[qi],
                     self._entry(raw),
                     None if ctag is None else ch.consumers.get(ctag),
+                    # Its time from model version 8 on (snapshot._channel); at 7 nothing
+                    # reads it (the switch to 8 sets it anew: model/consumertimeout.py).
+                    row[4] if len(row) > 4 else 0,
                 )
             self.messages += len(chd["unacked"])
             ch.tx_ops.extend(_restore_tx_op(op) for op in chd["tx_ops"])

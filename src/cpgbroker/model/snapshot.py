@@ -45,7 +45,7 @@ from cpgbroker.model.entities import (
 from cpgbroker.model.exchange import Exchange
 from cpgbroker.model.plain import SNAPSHOT_FORMAT, decode, encode, queue_from_meta
 from cpgbroker.model.restore import Restorer, restore
-from cpgbroker.model.versions import OLDEST
+from cpgbroker.model.versions import CONSUMER_TIMEOUTS, OLDEST
 
 # Snapshots are encoded with the canonical encoding of model/plain.py: its two functions are
 # this module's too, as are restoring (model/restore.py) and the format both follow.
@@ -94,6 +94,10 @@ NOT_REPLICATED = {
     "Connections": {"deadlines"},
     "QueueFlow": {"queues"},
     "Consumer": {"qseq"},
+    # Derived (model/consumertimeout.py): the consumer-timeout heap and what leads a channel
+    # there, rebuilt on restore from the unacked deliveries and their times.
+    "Channel": {"ack_due", "ack_floor", "ack_q"},
+    "ConsumerTimeouts": {"heap", "_pushes", "_compact_at"},
     # Cached permission results: a function of the configuration and the name.
     "Permissions": {"_known", "published"},
     "Delivery": {"_published", "changes"},
@@ -166,7 +170,7 @@ def parts(
             qref(q)
     for c in b.connections.values():
         for ch in c.channels.values():
-            for q, _e, _c in ch.unacked.values():
+            for q, _e, _c, _at in ch.unacked.values():
                 qref(q)
             for k in ch.consumers.values():
                 qref(k.queue)
@@ -225,9 +229,11 @@ def parts(
                 "queues": [qref(q) for q in vh.queues.values()],
             },
         ]
+    # From model version 8 an unacked delivery's time is state (consumer timeouts).
+    timed = b.version.at_least(CONSUMER_TIMEOUTS)
     for c in b.connections.values():
         new = []
-        conn = _connection(c, qref, lambda e, new=new: entry(e, new))
+        conn = _connection(c, qref, lambda e, new=new: entry(e, new), timed)
         yield ["conn", new, conn]
     yield [
         "tail",
@@ -467,7 +473,7 @@ def _queue(q: Queue, held: int = 0) -> dict[str, Any]:
     return d
 
 
-def _connection(c: Connection, qref: Any, entry: Any) -> dict[str, Any]:
+def _connection(c: Connection, qref: Any, entry: Any, timed: bool) -> dict[str, Any]:
     d: dict[str, Any] = {
         "id": c.id,
         "member": c.member,
@@ -494,7 +500,7 @@ def _connection(c: Connection, qref: Any, entry: Any) -> dict[str, Any]:
         "counter": c.counter,
         "published": c.published,
         "blocked_sent": c.blocked_sent,
-        "channels": [_channel(ch, qref, entry) for ch in c.channels.values()],
+        "channels": [_channel(ch, qref, entry, timed) for ch in c.channels.values()],
     }
     if c.tls:
         # Only for TLS clients: states without them snapshot (and digest) as before TLS.
@@ -503,7 +509,7 @@ def _connection(c: Connection, qref: Any, entry: Any) -> dict[str, Any]:
     return d
 
 
-def _channel(ch: Channel, qref: Any, entry: Any) -> dict[str, Any]:
+def _channel(ch: Channel, qref: Any, entry: Any, timed: bool) -> dict[str, Any]:
     pending = None
     p = ch.pending
     if p is not None:
@@ -523,9 +529,16 @@ def _channel(ch: Channel, qref: Any, entry: Any) -> dict[str, Any]:
         "prefetch_count": ch.prefetch_count,
         "global_prefetch": ch.global_prefetch,
         "next_tag": ch.next_tag,
+        # From model version 8 each with the cluster time it was delivered at (what its
+        # consumer timeout counts from); at 7 as release 0.1.0 wrote them.
         "unacked": [
+            [tag, qref(q), entry(e), None if c is None else c.tag, at]
+            for tag, (q, e, c, at) in ch.unacked.items()
+        ]
+        if timed
+        else [
             [tag, qref(q), entry(e), None if c is None else c.tag]
-            for tag, (q, e, c) in ch.unacked.items()
+            for tag, (q, e, c, _at) in ch.unacked.items()
         ],
         "consumers": [
             {

@@ -32,11 +32,19 @@ NEWEST = 8
 # "Upgrading", lists them for operators).
 VERSION_CHANGES: dict[int, str] = {
     7: "release 0.1.0's model",
-    8: "message headers are carried byte for byte: dead-lettering keeps every value it does not "
-    "change, and every value the AMQP grammar allows is accepted at publish",
+    8: "message headers are carried byte for byte: every value the AMQP grammar allows is "
+    "accepted at publish, and dead-lettering, federation and the management API's publish keep "
+    "or write values with RabbitMQ's types; consumer timeouts ([limits] consumer_timeout, a "
+    "queue's x-consumer-timeout) close a channel whose oldest delivery waits too long for its "
+    "ack; virtual host names of up to 255 bytes",
 }
 # Model version 8: field tables kept byte for byte (wire/fieldtable.py).
 EXACT_FIELD_TABLES = 8
+# Model version 8: consumer timeouts (model/consumertimeout.py).
+CONSUMER_TIMEOUTS = 8
+# Model version 8: virtual host names of up to 255 bytes in connection.open (7 refused more
+# than 127 characters, pamqp's limit, with 502).
+LONG_VHOST_NAMES = 8
 
 
 def supports(version: int) -> bool:

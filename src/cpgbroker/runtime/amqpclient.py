@@ -443,14 +443,16 @@ class Channel:
         properties: commands.Basic.Properties | None = None,
         *,
         mandatory: bool = False,
+        header: bytes | None = None,
     ) -> Confirmation | None:
         """Publish a message (waiting while the broker blocks publishers, or our output is
-        full). In confirm mode returns its :class:`Confirmation`; else None."""
+        full). In confirm mode returns its :class:`Confirmation`; else None. ``header``: a
+        content header's payload to send as it is, instead of ``properties``."""
         client = self._client
         await client._wait_to_publish()
         self._raise_if_closed()
         seq = client._proto.send_publish(
-            self.number, exchange, routing_key, body, properties, mandatory
+            self.number, exchange, routing_key, body, properties, mandatory, header
         )
         client._wake_writer()
         if seq == 0:

@@ -69,6 +69,7 @@ _DECODE_ERRORS = (
 # range): reported as AmqpClientError before anything is queued.
 _ENCODE_ERRORS = (PAMQPException, struct.error, ValueError, TypeError, OverflowError)
 _BODY_HEAD = struct.Struct(">BHI")
+_U64 = struct.Struct(">Q")
 _EMPTY_PROPERTIES = commands.Basic.Properties()
 
 # What we tell the broker we understand (RabbitMQ's capability names). Without
@@ -262,6 +263,9 @@ class Delivery:
     routing_key: str
     properties: commands.Basic.Properties
     body: bytes
+    # The content header's payload as it came (a federation link forwards it byte for byte
+    # from model version 8 on: runtime/federation.py).
+    header: bytes = b""
 
 
 @attrs.define(eq=False)
@@ -366,7 +370,16 @@ class PublishSequence:
 class _ChannelState:
     """What the protocol keeps per channel: closing, confirms, the content being reassembled."""
 
-    __slots__ = ("body", "closing", "confirms", "content", "properties", "received", "size")
+    __slots__ = (
+        "body",
+        "closing",
+        "confirms",
+        "content",
+        "header",
+        "properties",
+        "received",
+        "size",
+    )
 
     def __init__(self) -> None:
         self.closing = False
@@ -374,6 +387,7 @@ class _ChannelState:
         # The basic.deliver/basic.return whose content is arriving, its header, and its body.
         self.content: commands.Basic.Deliver | commands.Basic.Return | None = None
         self.properties: commands.Basic.Properties | None = None
+        self.header = b""
         self.size = 0
         self.received = 0
         self.body: list[bytes] = []
@@ -473,9 +487,12 @@ class ClientProtocol:
         body: bytes,
         properties: commands.Basic.Properties | None = None,
         mandatory: bool = False,
+        header: bytes | None = None,
     ) -> int:
         """Queue basic.publish with its content, the body cut at frame_max. Returns the
-        publish's confirm sequence number, 0 when the channel is not in confirm mode."""
+        publish's confirm sequence number, 0 when the channel is not in confirm mode.
+        ``header``: a content header's payload to send as it is (its body size set to the
+        body's) instead of one encoded from ``properties``."""
         self._require_open()
         st = self._channels.get(channel)
         if st is None or st.closing:
@@ -488,9 +505,17 @@ class ClientProtocol:
                     exchange=exchange, routing_key=routing_key, mandatory=mandatory
                 ),
                 channel,
-            ) + pframe.marshal(
-                ContentHeader(0, len(body), properties or _EMPTY_PROPERTIES), channel
             )
+            if header is None:
+                head += pframe.marshal(
+                    ContentHeader(0, len(body), properties or _EMPTY_PROPERTIES), channel
+                )
+            else:
+                if len(header) < 14:
+                    raise ValueError(f"content header of {len(header)} bytes")
+                payload = header[:4] + _U64.pack(len(body)) + header[12:]
+                head += _BODY_HEAD.pack(FRAME_HEADER, channel, len(payload))
+                head += payload + FRAME_END_BYTE
         except _ENCODE_ERRORS as e:
             raise AmqpClientError(f"cannot encode the publish: {e}") from None
         out = self._out
@@ -752,6 +777,7 @@ class ClientProtocol:
         except _DECODE_ERRORS as e:
             raise protocol_error(ReplyCode.FRAME_ERROR, f"cannot decode content header: {e}") from e
         st.properties = header.properties
+        st.header = payload
         st.size = header.body_size
         st.received = 0
         if st.size == 0:
@@ -781,6 +807,7 @@ class ClientProtocol:
                     m.routing_key or "",
                     props,
                     body,
+                    st.header,
                 )
             )
         elif isinstance(m, commands.Basic.Return):

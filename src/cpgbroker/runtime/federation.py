@@ -20,7 +20,9 @@ seed design's exchange federation agent (and RabbitMQ's federation plugin):
 3. it consumes that queue and hands what arrives to the cluster as ``Forward`` events (in
    batches), each message's header extended with ``x-received-from`` (where it has been:
    a message that was here already, or has crossed ``max-hops`` clusters, is not forwarded:
-   no loops between mutually federated clusters);
+   no loops between mutually federated clusters). From model version 8 (read from the broker
+   the link serves) the header is the upstream's bytes with only ``x-received-from`` changed
+   (:func:`with_hop_exact`, both ways); at version 7 pamqp decoded and wrote it again;
 4. it acknowledges upstream as the upstream's ``ack-mode`` says: ``on-confirm`` once the
    cluster's answer says every member has the messages (and, with stores, wrote them): a
    link that dies loses nothing, the upstream redelivers what was not acknowledged, and the
@@ -70,6 +72,7 @@ from cpgbroker.model.events import Forward
 from cpgbroker.model.federation import RECEIVED_FROM, SERVER_ID_PROPERTY, Link
 from cpgbroker.model.permissions import TRUSTED
 from cpgbroker.model.topology import PEER_EXCHANGE
+from cpgbroker.model.versions import EXACT_FIELD_TABLES
 from cpgbroker.runtime.admindesk import AdminDesk, Pending
 from cpgbroker.runtime.amqpclient import (
     AmqpClient,
@@ -79,6 +82,8 @@ from cpgbroker.runtime.amqpclient import (
     Delivery,
 )
 from cpgbroker.runtime.tls import TlsConfig
+from cpgbroker.wire.fastpath import FLAG_HEADERS, property_span
+from cpgbroker.wire.fieldtable import ARRAY, BOOL, TABLE, Field, Table, decode_table
 
 log = logging.getLogger("cpgbroker.federation")
 
@@ -177,6 +182,61 @@ def been_at(seen: list[Any], cluster: str, max_hops: int) -> bool:
     there already, or it has crossed as many clusters as it may (a loop, or too far)."""
     names = [x.get("cluster-name") for x in seen if isinstance(x, dict)]
     return cluster in names or len(seen) >= max_hops
+
+
+# From model version 8 (``EXACT_FIELD_TABLES``) a link carries a message's content header
+# byte for byte, both ways: only ``x-received-from`` changes, through wire/fieldtable.py (at
+# version 7 pamqp decoded every header and wrote them all again: floats cut to 32 bits, a long
+# string that is not UTF-8 refused when pushing).
+
+
+def travelled_exact(header: bytes) -> tuple[Table, list[Field]]:
+    """A content header's headers table, kept byte for byte, and where the message has been
+    (``x-received-from``'s entries, oldest first; none unless it is an array)."""
+    flags = header[12] << 8 | header[13]
+    if not flags & FLAG_HEADERS:
+        return Table(), []
+    start, end = property_span(header, FLAG_HEADERS)
+    table = decode_table(header, start, end)[0]
+    found = table.get(RECEIVED_FROM)
+    seen = found.value if found is not None and found.kind == ARRAY else []
+    assert isinstance(seen, list)
+    return table, seen
+
+
+def been_at_exact(seen: list[Field], cluster: str, max_hops: int) -> bool:
+    """:func:`been_at` on ``x-received-from``'s entries as they are on the wire."""
+    name = cluster.encode()
+    for f in seen:
+        if f.kind == TABLE:
+            entry = f.value
+            assert isinstance(entry, Table)
+            there = entry.get("cluster-name")
+            if there is not None and there.long_string() == name:
+                return True
+    return len(seen) >= max_hops
+
+
+def with_hop_exact(header: bytes, table: Table, seen: list[Field], hop: dict[str, Any]) -> bytes:
+    """``header`` with ``hop`` at the end of ``x-received-from`` (``table`` and ``seen``:
+    what :func:`travelled_exact` read from it); every other byte as it was. The entry is
+    written as pamqp wrote it at version 7: names in order, text ``S``, booleans ``t``."""
+    entry = Table(
+        (k, Field.of(BOOL, v) if isinstance(v, bool) else Field.longstr(str(v)))
+        for k, v in sorted(hop.items())
+    )
+    table.set(RECEIVED_FROM, Field.array([*seen, Field.table(entry)]))
+    flags = (header[12] << 8 | header[13]) | FLAG_HEADERS
+    start, end = property_span(header, FLAG_HEADERS)
+    return b"".join(
+        (
+            header[:12],
+            bytes((flags >> 8, flags & 0xFF)),
+            header[14:start],
+            table.encode(),
+            header[end:],
+        )
+    )
 
 
 def wanted_bindings(b: Broker, link: Link) -> dict[tuple[str, str], dict[str, Any]]:
@@ -559,11 +619,24 @@ class FederationLinks:
             # The last delivery of the batch that is still ours to acknowledge (one rejected
             # as too large is settled already: acknowledging it again is a channel error).
             last_tag = 0
+            exact = self._replica().version.at_least(EXACT_FIELD_TABLES)
             for d in batch:
-                props = d.properties or commands.Basic.Properties()
                 digest = message_digest(d)
-                headers, seen = travelled(props)
-                if been_at(seen, our_id, max_hops):
+                raw: tuple[Table, list[Field]] | None = None
+                if exact:
+                    try:
+                        raw = travelled_exact(d.header)
+                    except (ValueError, IndexError):
+                        # A header the cluster does not take either (it drops one that does
+                        # not parse, and answers it as not routed): handed over as it came.
+                        raw = None
+                if exact:
+                    looped = raw is not None and been_at_exact(raw[1], our_id, max_hops)
+                else:
+                    props = d.properties or commands.Basic.Properties()
+                    headers, seen = travelled(props)
+                    looped = been_at(seen, our_id, max_hops)
+                if looped:
                     # Been here, or crossed as many clusters as it may: not forwarded.
                     state.dropped_loops += 1
                     last_tag = d.delivery_tag
@@ -573,9 +646,13 @@ class FederationLinks:
                     if not no_ack:
                         await ch.nack(d.delivery_tag, requeue=False)
                     continue
-                headers[RECEIVED_FROM] = [*seen, {**hop, "redelivered": d.redelivered}]
-                props.headers = headers
-                header = bytes(pheader.ContentHeader(0, len(d.body), props).marshal())
+                here = {**hop, "redelivered": d.redelivered}
+                if exact:
+                    header = d.header if raw is None else with_hop_exact(d.header, *raw, here)
+                else:
+                    headers[RECEIVED_FROM] = [*seen, here]
+                    props.headers = headers
+                    header = bytes(pheader.ContentHeader(0, len(d.body), props).marshal())
                 messages.append((d.routing_key, header, d.body, digest, d.redelivered))
                 last_tag = d.delivery_tag
             acked = no_ack or not last_tag
@@ -671,7 +748,23 @@ class FederationLinks:
                     await self._wait_applied()
                     continue
                 confirms = []
+                exact = self._replica().version.at_least(EXACT_FIELD_TABLES)
                 for _, rk, header, body in batch:
+                    if exact:
+                        # The header as the local publisher sent it (accepted at publish).
+                        table, hops = travelled_exact(header)
+                        if been_at_exact(hops, upstream_name, max_hops):
+                            state.dropped_loops += 1
+                            continue
+                        confirms.append(
+                            await ch.publish(
+                                link.upstream_exchange,
+                                rk,
+                                body,
+                                header=with_hop_exact(header, table, hops, hop),
+                            )
+                        )
+                        continue
                     ch_header = pheader.ContentHeader()
                     ch_header.unmarshal(header)
                     props = ch_header.properties

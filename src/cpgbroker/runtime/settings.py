@@ -508,6 +508,7 @@ _LIMIT_KEYS = (
     "vhost_max_exchanges",
     "vhost_max_bindings",
     "queue_flow_messages",
+    "consumer_timeout",
 )
 # Limits where -1 means none (RabbitMQ's convention; TOML has no null).
 _COUNT_LIMITS = (
@@ -521,11 +522,25 @@ _COUNT_LIMITS = (
 
 
 def _limit_values(limits: dict[str, Any]) -> dict[str, Any]:
-    return {
+    out = {
         k: _count_limit(limits, k, "limits") if k in _COUNT_LIMITS else limits[k]
         for k in list(limits)
         if k in _LIMIT_KEYS
     }
+    if "consumer_timeout" in out:
+        out["consumer_timeout"] = _consumer_timeout(out["consumer_timeout"])
+    return out
+
+
+def _consumer_timeout(v: Any) -> int | None:
+    """``[limits] consumer_timeout``: milliseconds, as RabbitMQ's; 0 or false: none."""
+    if v is False:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ConfigError(
+            "[limits] consumer_timeout must be a number of milliseconds, or 0 or false for none"
+        )
+    return v or None
 
 
 def _count_limit(d: dict[str, Any], key: str, section: str) -> int | None:
