@@ -300,7 +300,25 @@ def test_dead_lettering_keeps_every_header_it_does_not_change(
     assert entry.get("reason") == Field.longstr(reason)
     assert entry.get("time") == Field.timestamp(now_ms // 1000)
     old = _matching_entry(before, queue, reason)
-    if old is None:
+    found = before.get("x-death")
+    if found is not None and found.kind != ft.ARRAY:
+        # Replaced as RabbitMQ 3.10.8 replaces it (measured, tests/unit/test_deadletter_exact.py),
+        # the x-first-death ones untouched.
+        want = [
+            ("count", Field.long(1)),
+            ("reason", Field.longstr(reason)),
+            ("queue", Field.longstr(queue)),
+            ("time", Field.timestamp(now_ms // 1000)),
+            ("exchange", Field.longstr("ex")),
+            ("routing-keys", Field.array([Field.longstr("rk")])),
+        ]
+        if expiration is not None:
+            want.append(("original-expiration", Field.longstr(expiration)))
+        assert entry == Table(want)
+        assert deaths.value == [front]
+        for k in ("x-first-death-reason", "x-first-death-queue", "x-first-death-exchange"):
+            assert after.get(k) == before.get(k)
+    elif old is None:
         want = [
             ("count", Field.long(1)),
             ("exchange", Field.longstr("ex")),

@@ -507,3 +507,103 @@ def test_floats_pamqp_cuts_are_accepted_at_version_7_and_cut_as_before() -> None
         c.send(1, C.Basic.Reject(delivery_tag=got.delivery_tag, requeue=False))
         dead = get_raw(h, c, "dead")
         assert decode_table(dead, *fp.property_span(dead, F_HEADERS))[0].get("v") == want
+
+
+# What RabbitMQ 3.10.8 wrote, measured on a private node (started as
+# shared/bench/rabbitmq_baseline.sh describes; a raw-socket client published to the default
+# exchange with routing key "<q>" to a queue "<q>" whose x-dead-letter-exchange is a fanout
+# exchange, got the message, rejected it without requeue and read the dead-lettered copy's
+# headers): an x-death that is not an array (a long 5, a long string, a table) is replaced by
+# an array of one new entry, in this order, and no x-first-death-* header is written; a message
+# without x-death gets x-first-death-* whatever it had (a publisher's x-first-death-reason is
+# overwritten); one whose x-death is an array without them gets none. (RabbitMQ also sorts
+# the headers by name, which we do not: every other header stays where it was.)
+def _rabbitmq_reset_entry(queue: str, now_ms: int) -> Table:
+    return Table(
+        [
+            ("count", Field.long(1)),
+            ("reason", Field.longstr("rejected")),
+            ("queue", Field.longstr(queue)),
+            ("time", Field.timestamp(now_ms // 1000)),
+            ("exchange", Field.longstr("")),
+            ("routing-keys", Field.array([Field.longstr(queue)])),
+        ]
+    )
+
+
+def _reject_to_dead(h: Harness, c: Client, table: Table) -> Table:
+    publish_raw(c, "", "src", content_header(table, 1), b"x")
+    assert not closes(c)
+    c.send(1, C.Basic.Get(queue="src"))
+    [(got, _)] = c.deliveries()
+    c.send(1, C.Basic.Reject(delivery_tag=got.delivery_tag, requeue=False))
+    dead = get_raw(h, c, "dead")
+    start, end = fp.property_span(dead, F_HEADERS)
+    return decode_table(dead, start, end)[0]
+
+
+@pytest.mark.parametrize(
+    "xdeath",
+    [
+        Field.of(LONG, 5),
+        Field.longstr("str"),
+        Field.table(Table([("count", Field.of(LONG, 3))])),
+    ],
+    ids=["long", "string", "table"],
+)
+def test_an_x_death_that_is_not_an_array_is_reset_as_rabbitmq_3_10_8_does(xdeath: Field) -> None:
+    h, c = opened(8)
+    before = Table([("a", Field.of(LONG, 7)), ("x-death", xdeath), ("b", Field.longstr("z"))])
+    after = _reject_to_dead(h, c, before)
+    want = Table(
+        [
+            ("a", Field.of(LONG, 7)),
+            ("x-death", Field.array([Field.table(_rabbitmq_reset_entry("src", 5_000_000))])),
+            ("b", Field.longstr("z")),
+        ]
+    )
+    assert after == want
+
+
+def test_an_x_death_that_is_not_an_array_keeps_x_first_death() -> None:
+    h, c = opened(8)
+    after = _reject_to_dead(
+        h,
+        c,
+        Table([("x-death", Field.of(LONG, 5)), ("x-first-death-reason", Field.longstr("keep"))]),
+    )
+    assert [k for k, _ in after] == ["x-death", "x-first-death-reason"]
+    assert after.get("x-first-death-reason") == Field.longstr("keep")
+
+
+def test_without_x_death_x_first_death_is_written_over_a_publishers() -> None:
+    h, c = opened(8)
+    after = _reject_to_dead(h, c, Table([("x-first-death-reason", Field.longstr("keep"))]))
+    assert [k for k, _ in after] == [
+        "x-first-death-reason",
+        "x-death",
+        "x-first-death-queue",
+        "x-first-death-exchange",
+    ]
+    assert after.get("x-first-death-reason") == Field.longstr("rejected")
+    assert after.get("x-first-death-queue") == Field.longstr("src")
+    assert after.get("x-first-death-exchange") == Field.longstr("")
+
+
+def test_an_x_death_array_without_x_first_death_gets_none() -> None:
+    h, c = opened(8)
+    other = Field.table(
+        Table(
+            [
+                ("count", Field.of(LONG, 2)),
+                ("queue", Field.longstr("elsewhere")),
+                ("reason", Field.longstr("expired")),
+            ]
+        )
+    )
+    after = _reject_to_dead(h, c, Table([("x-death", Field.array([other]))]))
+    assert [k for k, _ in after] == ["x-death"]
+    deaths = after.get("x-death").value  # type: ignore[union-attr]
+    assert deaths[1:] == [other]  # type: ignore[index]
+    entry = deaths[0].value  # type: ignore[index]
+    assert [k for k, _ in entry] == ["count", "exchange", "queue", "reason", "routing-keys", "time"]

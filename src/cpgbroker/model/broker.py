@@ -138,6 +138,7 @@ class Broker:
             self.policies,
             peer_exchange=bool(cfg.server_id),
             replicated=cfg.replicated,
+            version=self.version,
         )
         self.confirms = Confirms(self.out)
         self.flow = QueueFlow(cfg.queue_flow_messages, self.out, self.mark)

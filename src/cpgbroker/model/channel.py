@@ -149,6 +149,13 @@ def decode_method(payload: bytes, index: int, unchecked: tuple[str, ...] = ()) -
     except (PAMQPException, ValueError, TypeError) as e:
         # Decoded, but outside what pamqp allows (a virtual host of more than 127 characters).
         raise _syntax_error(index, e) from None
+    if index in _BINDS:
+        # The arguments' bytes (the last field), for the headers exchange from model version 8
+        # (model/exchange.py reads them with our codec, as RabbitMQ does).
+        p = 6  # class, method, reserved short
+        for _ in range(3):  # queue or destination, exchange or source, routing key
+            p += 1 + payload[p]
+        method.raw_arguments = payload[p + 1 :]
     if index in _BINDS and isinstance(method.arguments.get("x-match"), bytes):
         # A long string that is not UTF-8 (pamqp gives bytes): the headers exchange could not
         # read it when routing. RabbitMQ refuses x-match values it does not know with 406.

@@ -114,9 +114,14 @@ def dead_letter_header_exact(msg: Message, q: Queue, reason: str, now_ms: int) -
       ``reason`` (long strings ``S``), ``routing-keys`` (an array of ``S``), ``time`` (a
       timestamp ``T``, seconds of cluster time), in that order (pamqp's sorted order, as
       version 7 wrote it). Other entries stay as they were, in their order. An ``x-death`` that
-      is not an array is replaced by one that holds the new entry (RabbitMQ does the same).
-    * ``x-first-death-reason``, ``-queue`` and ``-exchange`` (``S``) are added at the end of
-      the headers when there is no ``x-first-death-reason``.
+      is not an array is replaced by an array of the new entry alone, in the order RabbitMQ
+      3.10.8 writes it there: ``count``, ``reason``, ``queue``, ``time``, ``exchange``,
+      ``routing-keys`` (and ``original-expiration`` last).
+    * ``x-first-death-reason``, ``-queue`` and ``-exchange`` (``S``) are written only when the
+      message had no ``x-death`` at all, as RabbitMQ 3.10.8 does: each replaces a value the
+      message had (in place), or is added at the end of the headers. A message whose
+      ``x-death`` was an array, or was not an array, keeps the ones it has and gets none.
+      (Measured on a RabbitMQ 3.10.8 node: ``tests/unit/test_deadletter_exact.py``.)
     * ``expiration`` is removed and goes into the entry in front as ``original-expiration``
       (``S``, the property's bytes), unless it holds one already.
     * Every other header stays where it was, a name given twice included; the value of
@@ -133,6 +138,8 @@ def dead_letter_header_exact(msg: Message, q: Queue, reason: str, now_ms: int) -
     found = headers.get("x-death")
     deaths = found.value if found is not None and found.kind == ARRAY else []
     assert isinstance(deaths, list)
+    # RabbitMQ resets an x-death that is not an array (rabbitmq-server#767).
+    reset = found is not None and found.kind != ARRAY
     first: Table | None = None
     for i, d in enumerate(deaths):
         if d.kind != TABLE:
@@ -149,7 +156,18 @@ def dead_letter_header_exact(msg: Message, q: Queue, reason: str, now_ms: int) -
             first = entry
             break
     new_entry = first is None
-    if first is None:
+    if reset:
+        first = Table(
+            [
+                ("count", Field.long(1)),
+                ("reason", Field.longstr(why)),
+                ("queue", Field.longstr(qname)),
+                ("time", when),
+                ("exchange", Field.longstr(msg.exchange)),
+                ("routing-keys", Field.array([Field.longstr(msg.routing_key)])),
+            ]
+        )
+    elif first is None:
         first = Table(
             [
                 ("count", Field.long(1)),
@@ -162,15 +180,16 @@ def dead_letter_header_exact(msg: Message, q: Queue, reason: str, now_ms: int) -
         )
     if flags & FLAG_EXPIRATION and first.get("original-expiration") is None:
         # RabbitMQ keeps it in the x-death entry, not as a top-level header; in pamqp's
-        # sorted order in a new entry (after exchange), at the end of an older one.
+        # sorted order in a new entry (after exchange), at the end of an older one (and of
+        # the entry that replaces an x-death that was not an array).
         original = ("original-expiration", Field.longstr(header[e_start + 1 : e_end]))
-        if new_entry:
+        if new_entry and not reset:
             first.entries.insert(2, original)
         else:
             first.entries.append(original)
     deaths.insert(0, Field.table(first))
     headers.set("x-death", Field.array(deaths))
-    if "x-first-death-reason" not in headers:
+    if found is None:
         headers.set("x-first-death-reason", Field.longstr(why))
         headers.set("x-first-death-queue", Field.longstr(qname))
         headers.set("x-first-death-exchange", Field.longstr(msg.exchange))

@@ -469,11 +469,13 @@ class Delivery:
         visited: dict[int, None] = {id(ex): None}
         pending = [ex]
         push_to = self.push_to if push else None
+        # Model version 8: headers exchanges read headers with our codec, as RabbitMQ matches.
+        exact = self._version.at_least(EXACT_FIELD_TABLES)
         i = 0
         while i < len(pending):
             cur = pending[i]
             i += 1
-            for dest in cur.match(rk, msg):
+            for dest in cur.match(rk, msg, exact):
                 if isinstance(dest, Queue):
                     if id(dest) not in found:
                         found[id(dest)] = dest

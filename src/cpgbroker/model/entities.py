@@ -16,6 +16,7 @@ from typing import Any, Generic, TypeVar
 import attrs
 
 from cpgbroker.wire.fastpath import HeaderInfo, header_priority
+from cpgbroker.wire.fieldtable import Table, decode_table
 from cpgbroker.wire.framer import FrameReader
 
 T = TypeVar("T")
@@ -96,6 +97,14 @@ class Message:
 
         start, end = self.headers_span
         return dict(decode.field_table(self.header[start:end])[1])
+
+    def header_table(self) -> Table:
+        """The message's header table read with our codec (``wire/fieldtable.py``: every value
+        as sent; the headers exchange at model version 8)."""
+        if self.headers_span is None:
+            return Table()
+        start, end = self.headers_span
+        return decode_table(self.header, start, end)[0]
 
 
 class Entry:

@@ -23,6 +23,7 @@ from cpgbroker.model.config import Permission, User
 from cpgbroker.model.entities import IdList, Queue, QueueBinding, ready_messages
 from cpgbroker.model.exchange import Exchange
 from cpgbroker.model.topology import VHost
+from cpgbroker.wire.fieldtable import decode_table
 
 # 2: queues carry single_active (x-single-active-consumer), quorum and delivery_limit; entries
 #    of quorum queues their delivery count (a fourth element, when not 0); connections whether
@@ -199,14 +200,19 @@ def vhost_from_part(vd: dict[str, Any], queues: list[Queue]) -> VHost:
     # each queue binding is linked to the queue's record of it (derived: ``Binding.qb``).
     records: dict[tuple[int, str, str, bytes], QueueBinding] = {}
     for qi in dict.fromkeys(
-        dest for xd in vd["exchanges"] for kind, dest, _k, _a in xd["bindings"] if kind == "q"
+        dest for xd in vd["exchanges"] for kind, dest, *_ in xd["bindings"] if kind == "q"
     ):
         for qb in queues[qi].bindings:
             records[(qi, qb.exchange, qb.routing_key, encode(qb.arguments))] = qb
     for xd in vd["exchanges"]:
         ex = vh.exchanges[xd["name"]]
-        for kind, dest, key, args in xd["bindings"]:
-            b = ex.bind(queues[dest] if kind == "q" else vh.exchanges[dest], key, args)
+        for kind, dest, key, args, *table in xd["bindings"]:
+            b = ex.bind(
+                queues[dest] if kind == "q" else vh.exchanges[dest],
+                key,
+                args,
+                decode_table(table[0])[0] if table else None,
+            )
             if b is not None and kind == "q":
                 b.qb = records.get((dest, ex.name, key, encode(args)))
     for qi in vd["queues"]:

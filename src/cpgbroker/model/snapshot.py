@@ -42,7 +42,7 @@ from cpgbroker.model.entities import (
     TxOp,
     TxPublish,
 )
-from cpgbroker.model.exchange import Exchange
+from cpgbroker.model.exchange import Binding, Exchange
 from cpgbroker.model.plain import SNAPSHOT_FORMAT, decode, encode, queue_from_meta
 from cpgbroker.model.restore import Restorer, restore
 from cpgbroker.model.versions import CONSUMER_TIMEOUTS, OLDEST
@@ -79,6 +79,8 @@ NOT_REPLICATED = {
         "topic_root",
         "header_buckets",
         "header_always",
+        "header_named",
+        "header_exact_always",
         "sources",
         "bind_seq",
         # The policy that applies (model/policies.py): a function of the policies and the
@@ -86,7 +88,7 @@ NOT_REPLICATED = {
         "policy",
         "policy_alternate",
     },
-    "Binding": {"seq"},
+    "Binding": {"seq", "exact"},
     # The policy that applies (model/policies.py): a function of the policies and the name.
     "Topology": {"_expiry_heap", "_expiry_seq"},
     # Derived from ``ttl_queues`` (``TtlQueues.rebuild`` on restore).
@@ -432,13 +434,20 @@ def _exchange(ex: Exchange, qref: Any) -> dict[str, Any]:
         "internal": ex.internal,
         "arguments": ex.arguments,
         "deleted": ex.deleted,
-        "bindings": [
-            ["q", qref(bd.dest), bd.key, bd.args]
-            if isinstance(bd.dest, Queue)
-            else ["e", bd.dest.name, bd.key, bd.args]
-            for bd in ex.bindings
-        ],
+        "bindings": [_binding(bd, qref) for bd in ex.bindings],
     }
+
+
+def _binding(bd: Binding, qref: Any) -> list[Any]:
+    row = (
+        ["q", qref(bd.dest), bd.key, bd.args]
+        if isinstance(bd.dest, Queue)
+        else ["e", bd.dest.name, bd.key, bd.args]
+    )
+    if bd.table is not None:
+        # Model version 8: the client's arguments as sent (model/exchange.py).
+        row.append(bd.table.encode())
+    return row
 
 
 def _queue(q: Queue, held: int = 0) -> dict[str, Any]:

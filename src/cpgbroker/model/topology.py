@@ -57,7 +57,9 @@ from cpgbroker.model.permissions import CONFIGURE, READ, WRITE, Permissions
 from cpgbroker.model.policies import Policies
 from cpgbroker.model.queueargs import QUEUE_ARGS, apply_queue_args, fmt
 from cpgbroker.model.ttlindex import QueueKey, TtlQueues
+from cpgbroker.model.versions import EXACT_FIELD_TABLES, ModelVersion
 from cpgbroker.wire.fastpath import DIRECT_REPLY as _DIRECT_REPLY_BYTES
+from cpgbroker.wire.fieldtable import Table, decode_table
 
 R = ReplyCode
 
@@ -116,6 +118,7 @@ class Topology:
         "_mark",
         "_out",
         "_permissions",
+        "_version",
         "expiring",
         "limits",
         "member_urls",
@@ -139,8 +142,11 @@ class Topology:
         policies: Policies,
         peer_exchange: bool = False,
         replicated: bool = False,
+        version: ModelVersion | None = None,
     ) -> None:
         self.vhosts: dict[str, VHost] = {}
+        # The cluster's model version (read at every use: it moves up at an event).
+        self._version = ModelVersion() if version is None else version
         # A cluster's replica (x-replicate must not say false) or not (it must not say true).
         self.replicated = replicated
         # Whether vhosts have amq.peer (a federation server id is configured).
@@ -400,10 +406,19 @@ class Topology:
         if not src.has_binding(dest, m.routing_key, args):
             vh = self.vhosts[conn.vhost]
             check_new_binding(self.limits, vh.name, vh.binding_count, src.name)
-            src.bind(dest, m.routing_key, args)
+            src.bind(dest, m.routing_key, args, self._arguments_table(m))
             vh.binding_count += 1
         if not m.nowait:
             self._out.send_method(conn, ch.id, commands.Exchange.BindOk())
+
+    def _arguments_table(self, m: Any) -> Table | None:
+        """A client's binding arguments as our codec reads them (model version 8: what a
+        headers exchange matches with, model/exchange.py); None before, or for a binding no
+        client sent."""
+        raw = getattr(m, "raw_arguments", None)
+        if raw is None or not self._version.at_least(EXACT_FIELD_TABLES):
+            return None
+        return decode_table(raw)[0]
 
     def ex_unbind(self, conn: Connection, ch: Channel, m: Any) -> None:
         self._check_exchange_binding(conn, m)
@@ -528,7 +543,7 @@ class Topology:
         if not ex.has_binding(q, m.routing_key, args):
             vh = self.vhosts[conn.vhost]
             check_new_binding(self.limits, vh.name, vh.binding_count, ex.name)
-            b = ex.bind(q, m.routing_key, args)
+            b = ex.bind(q, m.routing_key, args, self._arguments_table(m))
             if b is None:
                 raise InvariantError("binding appeared between check and bind")
             b.qb = QueueBinding(ex.name, m.routing_key, args)

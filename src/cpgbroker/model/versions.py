@@ -36,7 +36,8 @@ VERSION_CHANGES: dict[int, str] = {
     "accepted at publish, and dead-lettering, federation and the management API's publish keep "
     "or write values with RabbitMQ's types; consumer timeouts ([limits] consumer_timeout, a "
     "queue's x-consumer-timeout) close a channel whose oldest delivery waits too long for its "
-    "ack; virtual host names of up to 255 bytes",
+    "ack; virtual host names of up to 255 bytes; headers exchanges match as RabbitMQ 3.10.8 "
+    "(headers and binding tables read with our codec)",
 }
 # Model version 8: field tables kept byte for byte (wire/fieldtable.py).
 EXACT_FIELD_TABLES = 8
