@@ -39,7 +39,7 @@ from cpgbroker.model.delivery import Delivery
 from cpgbroker.model.permissions import READ, WRITE, Permissions
 from cpgbroker.model.topology import Topology
 from cpgbroker.model.versions import EXACT_FIELD_TABLES, ModelVersion
-from cpgbroker.wire.fastpath import FLAG_HEADERS, parse_content_header, property_span
+from cpgbroker.wire.fastpath import parse_content_header, with_headers
 from cpgbroker.wire.fieldtable import BOOL, DOUBLE, LONG, VOID, Field, Table
 from cpgbroker.wire.framer import FrameReader
 
@@ -377,7 +377,7 @@ def _content_header(props: dict[str, Any], size: int, *, exact: bool = False) ->
         if headers is not None:
             if not isinstance(headers, dict):
                 raise ValueError(f"headers must be an object, not {_json_type(headers)}")
-            raw = _with_headers(raw, _rabbit_field(headers).data)
+            raw = with_headers(raw, _rabbit_field(headers).data)
         # Through our own check too: what a client could not publish, the API cannot.
         parse_content_header(raw, roundtrip=not exact)
     except (TypeError, ValueError, OverflowError, AttributeError) as e:
@@ -402,13 +402,6 @@ def _rabbit_field(v: Any) -> Field:
     if v is None:
         return Field.of(VOID, None)
     raise ValueError(f"unhandled type {_json_type(v)}")
-
-
-def _with_headers(header: bytes, table: bytes) -> bytes:
-    """``header`` (which has no headers) with the headers table ``table`` (u32 length first)."""
-    flags = (header[12] << 8 | header[13]) | FLAG_HEADERS
-    at = property_span(header, FLAG_HEADERS)[0]
-    return header[:12] + bytes((flags >> 8, flags & 0xFF)) + header[14:at] + table + header[at:]
 
 
 def _json_type(v: Any) -> str:

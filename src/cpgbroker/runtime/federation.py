@@ -82,7 +82,7 @@ from cpgbroker.runtime.amqpclient import (
     Delivery,
 )
 from cpgbroker.runtime.tls import TlsConfig
-from cpgbroker.wire.fastpath import FLAG_HEADERS, property_span
+from cpgbroker.wire.fastpath import FLAG_HEADERS, property_span, with_headers
 from cpgbroker.wire.fieldtable import ARRAY, BOOL, TABLE, Field, Table, decode_table
 
 log = logging.getLogger("cpgbroker.federation")
@@ -226,17 +226,7 @@ def with_hop_exact(header: bytes, table: Table, seen: list[Field], hop: dict[str
         for k, v in sorted(hop.items())
     )
     table.set(RECEIVED_FROM, Field.array([*seen, Field.table(entry)]))
-    flags = (header[12] << 8 | header[13]) | FLAG_HEADERS
-    start, end = property_span(header, FLAG_HEADERS)
-    return b"".join(
-        (
-            header[:12],
-            bytes((flags >> 8, flags & 0xFF)),
-            header[14:start],
-            table.encode(),
-            header[end:],
-        )
-    )
+    return with_headers(header, table.encode())
 
 
 def wanted_bindings(b: Broker, link: Link) -> dict[tuple[str, str], dict[str, Any]]:

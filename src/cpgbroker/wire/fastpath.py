@@ -386,6 +386,17 @@ def property_span(payload: bytes, flag: int) -> tuple[int, int]:
     raise ValueError(f"no property with flag 0x{flag:04x}")
 
 
+def with_headers(payload: bytes, table: bytes) -> bytes:
+    """The content header ``payload`` with ``table`` (an encoded field table, its u32 length
+    first) as its headers, set or replaced; every other byte as it was. For the broker's own
+    edits of a header from model version 8 (federation's hop, the management API's publish)."""
+    flags = (payload[12] << 8 | payload[13]) | FLAG_HEADERS
+    start, end = property_span(payload, FLAG_HEADERS)
+    return b"".join(
+        (payload[:12], bytes((flags >> 8, flags & 0xFF)), payload[14:start], table, payload[end:])
+    )
+
+
 _SHORTSTR_FLAGS = (
     FLAG_CONTENT_TYPE,
     FLAG_CONTENT_ENCODING,
