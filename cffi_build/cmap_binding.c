@@ -7,7 +7,7 @@
 
 /* Bump together with EXPECTED_BINDING_VERSION in src/cpgbroker/corosync/cmap.py whenever this
  * file or the cdef changes, so that a stale compiled module is refused at import. */
-#define CMB_BINDING_VERSION 1
+#define CMB_BINDING_VERSION 2
 
 static void cmb_free(void *p)
 {

@@ -1,6 +1,7 @@
 """Typed wrapper over corosync's cmap library, read-only: the running corosync's ring
 security, so that a member can refuse to multicast client bytes (PLAIN passwords included) over
-a ring anyone on the network can read or join.
+a ring anyone on the network can read or join; and its totem timeouts (:func:`totem_timeouts`:
+how long the others take to declare a silent member lost).
 
 :func:`ring_security` connects to the local corosync (in a network namespace for a dev
 cluster), reads ``totem.crypto_cipher``, ``totem.crypto_hash`` and the nodelist's addresses,
@@ -28,7 +29,7 @@ except ImportError as _e:  # pragma: no cover - depends on how the package was i
     ) from _e
 
 # Must match CMB_BINDING_VERSION in cffi_build/cmap_binding.c.
-EXPECTED_BINDING_VERSION: Final = 1
+EXPECTED_BINDING_VERSION: Final = 2
 if lib.CMB_BINDING_VERSION != EXPECTED_BINDING_VERSION:  # pragma: no cover
     raise CpgBindingError(
         f"cpgbroker.corosync._cmap is binding version {lib.CMB_BINDING_VERSION}, cmap.py "
@@ -107,5 +108,45 @@ def ring_security(netns: str | None = None) -> RingSecurity:
             if bind is not None:
                 addresses.append(bind)
         return RingSecurity(cipher, hash_, tuple(addresses))
+    finally:
+        lib.cmap_finalize(handle)
+
+
+@attrs.frozen
+class TotemTimeouts:
+    token_ms: int  # runtime.config.totem.token: the token timeout in effect
+    consensus_ms: int  # runtime.config.totem.consensus
+
+
+# corosync's own defaults (corosync.conf(5)), should the runtime keys be missing.
+DEFAULT_TOKEN_MS: Final = 3000
+
+
+def _get_u32(handle: int, key: str) -> int | None:
+    out = ffi.new("uint32_t *")
+    rc = lib.cmap_get_uint32(handle, key.encode(), out)
+    if rc == lib.CS_ERR_NOT_EXIST:
+        return None
+    if rc != lib.CS_OK:
+        raise make_error(rc, "cmap_get_uint32", key)
+    return int(out[0])
+
+
+def totem_timeouts(netns: str | None = None) -> TotemTimeouts:
+    """The token and consensus timeouts the running corosync uses (the ``runtime.config``
+    keys: what it computed from corosync.conf, token_coefficient included). A member that
+    stops answering is declared lost by the others no sooner than the token timeout after the
+    last token it passed, plus the consensus timeout to agree on the new ring."""
+    with enter_netns(netns):
+        h = ffi.new("cmap_handle_t *")
+        rc = lib.cmap_initialize(h)
+        if rc != lib.CS_OK:
+            raise make_error(rc, "cmap_initialize")
+    handle = h[0]
+    try:
+        token = _get_u32(handle, "runtime.config.totem.token") or DEFAULT_TOKEN_MS
+        # corosync computes 1.2 x token when consensus is not configured.
+        consensus = _get_u32(handle, "runtime.config.totem.consensus") or token * 6 // 5
+        return TotemTimeouts(token, consensus)
     finally:
         lib.cmap_finalize(handle)

@@ -55,16 +55,58 @@ and its publisher never got a confirm. Under load most messages live shorter tha
 they cross the ring as a few bytes of nothing instead of their bodies. A message in two queues
 is elided from each on its own; the first record left of it carries its body.
 
+**Deliveries.** A backup keeps a delivered message in place, flagged redelivered
+(``model/replica.py``), so a member promoted after the primary redelivers it flagged: as long
+as it holds the batch recording the delivery. A delivery recorded in the batch that also
+records the message's enqueue is safe whenever it reaches its client: a member either holds
+that batch, and knows of the delivery, or lacks it, and never held the message (whose confirm
+waited for that batch). A delivery of a message that joined its queue in an earlier batch is
+not: the member may hold the enqueue but not the delivery, and would deliver the message again
+as a first delivery. :meth:`delivery_waits` tells the model which case it is, and the runtime
+writes such a delivery only once its batch is stable (``Send.delivery_waits``,
+``runtime/shipping.py``, "Deliveries"). A consumer keeping up gets what is published in the
+batch it joins (at once).
+
+**Reservations.** A queue that backs up would hold every delivery a batch round trip, and the
+consumers that fall behind so stay behind. So the log *reserves* messages ahead of their
+delivery: a ``requeued`` record with the redelivered flag set, which a backup applies to the
+message still in its queue. At each cut, what joined a queue in the batch and is still queued
+is reserved in that batch, and may be delivered at once from then on: a member either holds
+that batch, and the message flagged, or lacks it, and never held the message (a batch crosses
+CPG whole, and a member that lacks one lacks every later one of the same sender). When a
+delivery of a plain queue (not a priority queue) waits all the same (its message joined in an
+earlier batch), the messages at the head behind it are reserved, and those may be delivered at
+once once the batch carrying the reservation is stable (:attr:`stable_take`, told by the
+runtime): every member that may be promoted then holds them flagged. Each time
+:data:`RESERVE_MORE` of a queue's reservations were delivered, the next ones at its head are
+reserved, up to :data:`RESERVE` ahead. The price: after a failover, up to :data:`RESERVE`
+messages per queue that the old primary never delivered come flagged redelivered, which AMQP
+allows ("may have been delivered"); never one it delivered comes unflagged. A quorum queue's
+messages are never reserved: its delivery count would be off by one either way, so their
+deliveries wait instead.
+
 Owns: the records since the last :meth:`take`, where the records of each message that joined
-a queue since then are, and the bytes of message bodies they hold.
+a queue since then are, and the bytes of message bodies they hold; the reservations not yet
+delivered, and the last take known stable.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 from typing import Any
 
 from cpgbroker.errors import InvariantError
 from cpgbroker.model.entities import Entry, Queue
+
+# Messages reserved ahead per queue (module docstring, "Reservations"): at most this many come
+# flagged redelivered after a failover without having been delivered. Under load a batch round
+# trip to stability takes a few milliseconds, in which a consumer of a backed-up queue takes a
+# few hundred messages; reserving this many keeps it from ever waiting for one.
+RESERVE = 2048
+# Reserved again each time this many of a queue's reservations were delivered: small steps, so
+# that the next reservations are stable long before the last ones are used up.
+RESERVE_MORE = 256
 
 REPLICATE = ("all", "durable", "definitions")
 # Direct reply-to pseudo-queues (model/topology.py's REPLY_PREFIX): one consumer's, on the
@@ -87,7 +129,18 @@ def ships_queue(q: Queue) -> bool:
 
 
 class ChangeLog:
-    __slots__ = ("_open", "bytes", "elided", "records", "replicate", "structural")
+    __slots__ = (
+        "_ahead",
+        "_open",
+        "_reserved",
+        "bytes",
+        "elided",
+        "records",
+        "replicate",
+        "stable_take",
+        "structural",
+        "takes",
+    )
 
     def __init__(self, replicate: str = "all") -> None:
         if replicate not in REPLICATE:
@@ -105,14 +158,25 @@ class ChangeLog:
         self.elided = 0
         # The definitions may have changed since the last take (module docstring).
         self.structural = True
+        # Takes so far, and the last one whose batch every ready member applied (told by the
+        # runtime): a reservation made before it may be delivered at once.
+        self.takes = 0
+        self.stable_take = 0
+        # (queue, message id) -> the take that carries its reservation; per queue, how many
+        # of its reservations are not delivered yet (module docstring, "Reservations").
+        self._reserved: dict[tuple[Queue, int], int] = {}
+        self._ahead: dict[Queue, int] = {}
 
     def take(self) -> tuple[list[tuple[Any, ...] | None], bool]:
         """The records since the last take, and whether the definitions may have changed."""
+        if self._open:
+            self._reserve_queued()
         records, structural = self.records, self.structural
         self.records = []
         self._open = {}
         self.bytes = 0
         self.structural = False
+        self.takes += 1
         return records, structural
 
     def _ships(self, q: Queue, e: Entry) -> bool:
@@ -142,6 +206,63 @@ class ChangeLog:
             records.append((ENQUEUED, q, e.msg, e.expires_at))
             self.bytes += len(e.msg.body)
 
+    def delivery_waits(self, q: Queue, e: Entry) -> bool:
+        """Whether a delivery of ``e`` (just taken from ``q``, about to be recorded) must reach
+        its client only once the batch recording it is stable: ``e`` ships, joined ``q`` in an
+        earlier batch, and no stable reservation covers it (module docstring, "Deliveries",
+        "Reservations"). Reserves ahead as it goes."""
+        key = (q, e.msg.id)
+        if key in self._open or not self._ships(q, e):
+            return False
+        taken = self._reserved.pop(key, None)
+        if taken is None:
+            self._reserve(q)
+            return True
+        left = self._ahead[q] - 1
+        self._ahead[q] = left
+        if left <= RESERVE - RESERVE_MORE:
+            self._reserve(q)
+        return taken > self.stable_take
+
+    def _reserve_queued(self) -> None:
+        """At the cut: reserve what joined a queue in this batch and is still queued (module
+        docstring, "Reservations"), up to :data:`RESERVE` per queue. Usable at once (take 0):
+        the reservation travels in the batch that enqueues the message."""
+        reserved, ahead, records = self._reserved, self._ahead, self.records
+        for key, at in self._open.items():
+            q = key[0]
+            if len(at) != 1 or q.quorum or q.deleted:
+                continue  # delivered (or requeued) in this batch: its records say so
+            n = ahead.get(q, 0)
+            if n >= RESERVE:
+                continue
+            reserved[key] = 0
+            ahead[q] = n + 1
+            records.append((REQUEUED, q, key[1], True, 0))
+
+    def _reserve(self, q: Queue) -> None:
+        """Reserve messages at ``q``'s head up to :data:`RESERVE` (plain queues only)."""
+        msgs = q.messages
+        if q.quorum or type(msgs) is not collections.deque:
+            return
+        ahead = self._ahead.get(q, 0)
+        if ahead >= RESERVE:
+            return
+        take = self.takes + 1
+        reserved, opened, records = self._reserved, self._open, self.records
+        ships = self._ships
+        # The reserved ones are (about) the first ``ahead`` of the queue: look behind them.
+        for e in itertools.islice(msgs, ahead, ahead + 2 * (RESERVE - ahead)):
+            key = (q, e.msg.id)
+            if key in reserved or key in opened or not ships(q, e):
+                continue  # (one that joined in this batch needs none: "Deliveries")
+            reserved[key] = take
+            records.append((REQUEUED, q, e.msg.id, True, e.delivery_count))
+            ahead += 1
+            if ahead >= RESERVE:
+                break
+        self._ahead[q] = ahead
+
     def delivered(self, q: Queue, e: Entry) -> None:
         if self._ships(q, e):
             records = self.records
@@ -158,7 +279,18 @@ class ChangeLog:
                 at.append(len(records))
             records.append((REQUEUED, q, e.msg.id, e.redelivered, e.delivery_count))
 
+    def reserved(self) -> list[tuple[Queue, int]]:
+        """The messages reserved and not delivered (queue, message id): a promoted backup has
+        them flagged redelivered (module docstring, "Reservations")."""
+        return list(self._reserved)
+
+    def unreserve(self, q: Queue, e: Entry) -> None:
+        """``e`` left ``q`` without a delivery (expired, dropped, purged) or was settled."""
+        if self._reserved and self._reserved.pop((q, e.msg.id), None) is not None:
+            self._ahead[q] -= 1
+
     def released(self, q: Queue, e: Entry) -> None:
+        self.unreserve(q, e)
         if self._ships(q, e):
             at = self._open.pop((q, e.msg.id), None)
             if at is not None:
@@ -176,5 +308,7 @@ class ChangeLog:
         unacked messages, released when settled, are not either: a backup drops them with
         the queue)."""
         self.structural = True
+        if self._ahead.pop(q, None):
+            self._reserved = {k: t for k, t in self._reserved.items() if k[0] is not q}
         if ships_queue(q) and self.replicate != "definitions":
             self.records.append((DELETED, q))

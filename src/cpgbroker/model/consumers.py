@@ -301,12 +301,15 @@ class Consumers:
             self._topology.ttl_queues.note(q)
         ch.next_tag += 1
         tag = ch.next_tag
+        changes = self._delivery.changes
+        if changes is not None and conn.emit and changes.delivery_waits(q, e):
+            # Asked before a no_ack get releases it (runtime/shipping.py, "Deliveries").
+            conn.delivery_waits = True
         if m.no_ack:
             self._release(q, e)
         else:
             ch.unacked[tag] = (q, e, None, now)
             q.unacked += 1
-            changes = self._delivery.changes
             if changes is not None:
                 changes.delivered(q, e)
             if ch.ack_q is not q:

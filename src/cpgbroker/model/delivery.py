@@ -769,6 +769,10 @@ class Delivery:
         conn.credit -= 1
         q.delivered_total += 1
         now = self._clock.now_ms
+        changes = self.changes
+        if changes is not None and conn.emit and changes.delivery_waits(q, e):
+            # Asked before a no_ack delivery releases it (runtime/shipping.py, "Deliveries").
+            conn.delivery_waits = True
         if c.no_ack:
             self._release(q, e)
         else:

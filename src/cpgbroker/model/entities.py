@@ -554,6 +554,8 @@ class Connection:
     confirm_dirty: list[Channel] = attrs.Factory(list)
     # ``outbuf`` holds a confirm or tx.commit-ok (the flushed Send says so). Transient like it.
     confirm_out: bool = False
+    # ``outbuf`` holds a delivery that waits for its batch (``Send.delivery_waits``). Transient.
+    delivery_waits: bool = False
     # How many queues hold this connection's publishing back (model/queueflow.py; derived:
     # rebuilt on restore from ``Queue.flow_paused``).
     flow_pauses: int = 0

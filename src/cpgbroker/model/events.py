@@ -187,11 +187,18 @@ class Send:
     the event is stable (applied by every ready member), so a confirm never reaches a client
     for an event a surviving member may lack; a durable one only once every ready member has
     also written the event to its store (fsynced it, by default).
+
+    ``delivery_waits``: the bytes carry a delivery (basic.deliver or basic.get-ok) of a
+    message a hot-standby primary shipping changes shipped in an earlier batch than the one
+    recording the delivery (``ChangeLog.delivery_waits``). Such output is written only once
+    that batch is stable, as a confirm is, so that a member promoted after it knows of every
+    delivery a client may have seen (runtime/shipping.py, "Deliveries").
     """
 
     conn: int
     data: bytes
     confirm: int = 0
+    delivery_waits: bool = False
 
 
 @attrs.frozen

@@ -159,8 +159,8 @@ class Output:
             level = 0
             if conn.confirm_out:
                 level = CONFIRM_DURABLE if conn.id in self._durable else CONFIRM
-            self._effects.append(Send(conn.id, data, level))
-            conn.confirm_out = False
+            self._effects.append(Send(conn.id, data, level, conn.delivery_waits))
+            conn.confirm_out = conn.delivery_waits = False
 
     def close_socket(self, conn: Connection, reason: str) -> None:
         """Whatever ``conn`` has waiting, then close it."""

@@ -68,6 +68,10 @@ HEAD_S = struct.Struct(">BQQB")  # format, msg_seq, now_ms, flags
 F_DEFINITIONS = 1  # the definitions follow the head
 F_CONFIRMS = 2  # a client waits for a confirm of this batch: report it at once
 F_DURABLE = 4  # ... a confirm that waits for every store: report it once it is stored
+# ... and output waits for it to be applied only (a delivery, a transient message's confirm):
+# report it applied at once too, not only once stored. Release 0.1.0 ignores the bit (and so
+# reports such a batch once stored: later, never wrong).
+F_APPLIED = 8
 LEN_S = struct.Struct(">I")
 NAMED_S = struct.Struct(">BIHH")  # kind, ref, vhost length, name length
 CREATED_S = struct.Struct(">BII")  # kind, ref, metadata length (then snapshot.encode of it)
@@ -333,6 +337,10 @@ class Replication:
             b.out.shadow_confirms += 1
             if flags & F_DURABLE:
                 b.out.shadow_durable_confirms += 1
+        if flags & F_APPLIED:
+            # Counted as a confirm that waits for no store: this member reports what it applied
+            # at once (runtime/shipping.py, "Deliveries").
+            b.out.shadow_confirms += 1
 
     def _install(self, defs: list[Any]) -> None:
         """The primary's definitions replace this broker's, in place; queues keep their

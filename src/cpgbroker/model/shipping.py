@@ -35,6 +35,7 @@ from cpgbroker.model.replica import (
     BATCH_FORMAT,
     CREATED_S,
     ENQUEUED_S,
+    F_APPLIED,
     F_CONFIRMS,
     F_DEFINITIONS,
     F_DURABLE,
@@ -56,15 +57,18 @@ def encode_batch(
     definitions: bytes | None,
     confirms: bool = False,
     durable: bool = False,
+    applied: bool = False,
 ) -> bytes:
     """One change batch: the primary's counters, its definitions if they changed (already
     encoded with ``snapshot.encode``), and the records of ``ChangeLog.take``; ``confirms``:
-    a client of the primary waits for a confirm that this batch makes good (``durable``:
-    one that waits for every member's store)."""
+    a client of the primary waits for a confirm (or a delivery) that this batch makes good
+    (``durable``: one that waits for every member's store; ``applied``: one that waits for
+    every member to have applied it only, while another waits for the stores)."""
     flags = (
         (F_DEFINITIONS if definitions is not None else 0)
         | (F_CONFIRMS if confirms else 0)
         | (F_DURABLE if durable else 0)
+        | (F_APPLIED if applied and durable else 0)
     )
     out = [HEAD_S.pack(BATCH_FORMAT, msg_seq, now_ms, flags)]
     if definitions is not None:
@@ -137,7 +141,9 @@ class Shipper:
     def __init__(self) -> None:
         self.shipped = b""
 
-    def batch(self, b: Broker, confirms: bool = False, durable: bool = False) -> bytes:
+    def batch(
+        self, b: Broker, confirms: bool = False, durable: bool = False, applied: bool = False
+    ) -> bytes:
         log = b.changes
         if log is None:
             raise InvariantError("the broker records no changes")
@@ -149,7 +155,7 @@ class Shipper:
                 defs = None
             else:
                 self.shipped = defs
-        return encode_batch(records, b.msg_seq, b.now_ms, defs, confirms, durable)
+        return encode_batch(records, b.msg_seq, b.now_ms, defs, confirms, durable, applied)
 
 
 def messages(b: Broker) -> int:

@@ -68,7 +68,14 @@ __all__ = [
 
 # Attributes deliberately left out of snapshots (see module docstring).
 NOT_REPLICATED = {
-    "Connection": {"emit", "outbuf", "confirm_dirty", "confirm_out", "flow_pauses"},
+    "Connection": {
+        "emit",
+        "outbuf",
+        "confirm_dirty",
+        "confirm_out",
+        "delivery_waits",
+        "flow_pauses",
+    },
     # Derived indexes, rebuilt by ``Exchange.bind`` / ``Topology.restore`` on restore.
     "Exchange": {
         "cache",

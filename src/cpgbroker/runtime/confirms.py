@@ -44,11 +44,12 @@ class ConfirmGate:
         self.holding: dict[int, LocalConn] = {}
 
     def hold(self, lc: LocalConn, eff: Send) -> None:
-        """Output that must wait: a confirm until its event is stable, anything else (for the
-        same connection) until the output before it is out."""
+        """Output that must wait: a confirm (or a delivery that waits for its batch: shipping
+        changes) until its event is stable, anything else (for the same connection) until the
+        output before it is out."""
         lc.held.append(
             (
-                self._event_seq() if eff.confirm else 0,
+                self._event_seq() if eff.confirm or eff.delivery_waits else 0,
                 eff.data,
                 "",
                 eff.confirm == CONFIRM_DURABLE,

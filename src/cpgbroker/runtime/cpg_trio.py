@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import select
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Final, TypeVar
@@ -111,6 +112,11 @@ class TrioCpg:
         # in the order they were sent, so the head is always the next one to be released.
         self._in_flight: collections.deque[int] = collections.deque()
         self._in_flight_bytes = 0
+        # When each of them was multicast (time.monotonic(), taken just after corosync took
+        # it), and when the last one delivered back was: the ring carried a message of ours
+        # that late (a hot-standby primary's lease, runtime/lease.py).
+        self._sent_at: collections.deque[float] = collections.deque()
+        self.last_own_sent_at: float | None = None
         self._send_lock = trio.StrictFIFOLock()
         self._burst = 0
         # Held while a call runs in a worker thread: libcpg's IPC rings are not safe for
@@ -220,6 +226,10 @@ class TrioCpg:
                 self._in_flight_bytes -= in_flight.popleft()
                 released += 1
         if released:
+            sent_at = self._sent_at
+            for _ in range(released - 1):
+                sent_at.popleft()
+            self.last_own_sent_at = sent_at.popleft()
             self.stats.own_delivered += released
             self._credit.unpark_all()
 
@@ -358,6 +368,7 @@ class TrioCpg:
     def _account(self, size: int) -> None:
         self._in_flight.append(size)
         self._in_flight_bytes += size
+        self._sent_at.append(time.monotonic())
         stats = self.stats
         stats.sent += 1
         stats.sent_bytes += size

@@ -101,6 +101,7 @@ from cpgbroker.runtime.cpg_trio import TrioCpg
 from cpgbroker.runtime.errorchecks import ErrorChecks
 from cpgbroker.runtime.eventlog import EventLog
 from cpgbroker.runtime.federation import FederationLinks, client_context
+from cpgbroker.runtime.lease import LAPSED, PrimaryLease
 from cpgbroker.runtime.multicast import Multicaster
 from cpgbroker.runtime.newcomer import Newcomer
 from cpgbroker.runtime.quorum_trio import TrioQuorum
@@ -261,6 +262,9 @@ class ClusterNode:
         )
         if shipping is not None:
             shipping.io = self.io
+        # Shipping changes: the primary keeps its clients while the ring carries its messages
+        # (runtime/lease.py).
+        self.lease = PrimaryLease(lambda: cpg.last_own_sent_at)
         # A sample of how long events take to apply (runtime/applytimes.py).
         self.apply_times = ApplyTimes()
         # Operators' changes: answered once as safe as a durable confirm.
@@ -337,12 +341,38 @@ class ClusterNode:
 
     def guarded_tasks(self) -> list[Any]:
         """The incarnation's tasks whose ``ClusterError`` means this member must leave."""
-        return [
+        tasks = [
             self.multicast.sender,
             self.deliver_loop,
             self.catch_up,
             self.checkpoints.collect_digests,
         ]
+        if self.shipping is not None:
+            tasks.append(self.hold_lease)
+        return tasks
+
+    async def hold_lease(self) -> None:
+        """Shipping changes: the primary's lease (runtime/lease.py)."""
+        shipping = self.shipping
+        assert shipping is not None
+        cluster = self.config.cluster
+        await self.lease.run(
+            lambda: shipping.active,
+            lambda: self.multicast.send_control(self.report()),
+            self._lease_lapsed,
+            None if cluster is None else cluster.netns or None,
+        )
+
+    def _lease_lapsed(self) -> None:
+        """No message of ours came back through the ring for the lease's length: another
+        member may be primary by now. Stop serving before a client can tell two apart, and
+        come back as a backup (runtime/lease.py, "After a lapse")."""
+        log.error(
+            "hot-standby lease lapsed: no message of ours came back through the ring for "
+            "%.2f s, another member may be primary by now: closing this member's clients",
+            self.lease.length,
+        )
+        self.suspend(f"hot-standby lease lapsed after {self.lease.length:.2f} s", LAPSED)
 
     @property
     def serving(self) -> bool:
@@ -550,6 +580,9 @@ class ClusterNode:
             self.io.answer_expected = False
             if self.confirms.holding or self.desk.unsettled:
                 self._release_stable()
+            elif self.shipping is not None and self.shipping.unsettled_takes:
+                # Nothing waits, but reservations the next deliveries may use do.
+                self._stable_batches()
             self.federation.applied()
 
     def _report_for_confirms(self) -> None:
@@ -852,6 +885,7 @@ class ClusterNode:
             and primary.member == self.member
         )
         if mine and not shipping.active:
+            self.lease.grant(time.monotonic())
             shipping.promote(self.broker, self.io.now_ms())
         elif not mine and shipping.active:
             shipping.demote()

@@ -240,9 +240,13 @@ class Node:
                 continue
             t = type(eff)
             if t is Send:
-                if hold is not None and (lc.held or eff.confirm):  # type: ignore[union-attr]
-                    # A confirm waits until its event is stable; anything after it for the
-                    # same connection waits behind it.
+                if hold is not None and (
+                    lc.held
+                    or eff.confirm  # type: ignore[union-attr]
+                    or eff.delivery_waits  # type: ignore[union-attr]
+                ):
+                    # A confirm (shipping changes: some deliveries too) waits until its event
+                    # is stable; anything after it for the same connection waits behind it.
                     hold(lc, eff)  # type: ignore[arg-type]
                     continue
                 self.write(lc, eff.data)  # type: ignore[union-attr]

@@ -16,8 +16,24 @@ read, and what a backup promotes when it becomes primary.
   their change is stable: delivered back here and applied by every ready member, as the
   progress reports say (the member's confirm gate and admin desk count batches, not events:
   :meth:`batch_number`, :meth:`stable_batch`). So an acknowledged message survives the loss of
-  every member but one, as in active-active. Deliveries to consumers do not wait: a message a
-  consumer got whose batch was lost with the primary was never confirmed to its publisher.
+  every member but one, as in active-active.
+* **Deliveries** of a message that joined its queue in an earlier batch than the one
+  recording the delivery (basic.deliver, basic.get-ok: ``Send.delivery_waits``, decided by
+  ``ChangeLog.delivery_waits``) wait at the same gate for that batch, and what the connection
+  is sent after them waits behind them. A backup keeps a message out with the primary's
+  consumers in place, flagged redelivered (``model/replica.py``), so once the batch is stable
+  every member that may be promoted redelivers the message flagged, a quorum queue's delivery
+  count one higher. Delivered at once instead, a message whose delivery was in flight when
+  the primary was cut off (its corosync frozen, its node partitioned away) would reach a
+  consumer again from the new primary as a first delivery: an unflagged duplicate. A message
+  delivered in the batch that enqueues it goes out at once (``model/changes.py``,
+  "Deliveries"): that is the hot path of a consumer keeping up, whose messages are still
+  elided when acked before the cut; so does one *reserved* (flagged on the backups while
+  still queued) in the batch that enqueued it, or in a batch now stable
+  (``model/changes.py``, "Reservations"; :meth:`stable_batch` tells the change log which). A
+  cut-off primary's batches never become stable, so whatever it still hands out the backups
+  hold flagged or never held, and nothing it takes in is confirmed; its lease
+  (``runtime/lease.py``) then closes its clients once another member may have been promoted.
 * **Batches** are cut by :meth:`run` one scheduling round after an event was applied, so under
   load one batch carries the events of many clients, and only while fewer than
   :data:`BATCHES_IN_FLIGHT` of ours are multicast and not yet delivered back (Nagle's rule
@@ -123,6 +139,9 @@ class Shipping:
         self.delivered = 0
         self._unstable: collections.deque[tuple[int, int]] = collections.deque()
         self.stable = 0
+        # Our batches not yet applied by every ready member, with the serving broker's change
+        # log's take each carries (what its reservations wait for).
+        self._takes: collections.deque[tuple[int, int]] = collections.deque()
         # Set when the next batch may be cut although one is in flight (one came back, the
         # next grew to CUT_BYTES, the role changed), or although it lingers (someone waits
         # for it now).
@@ -144,20 +163,34 @@ class Shipping:
         store, and a persistent message's confirm waits for every member's)."""
         self._confirms, self._desk, self._stored = confirms, desk, stored
 
-    def holding(self) -> tuple[bool, bool]:
+    def holding(self) -> tuple[bool, bool, bool]:
         """Whether output or an operator's answer waits for the batch being cut (it asks the
-        backups to report it at once), and whether any of it waits for every member's store
-        (they report it once stored)."""
+        backups to report it at once), whether any of it waits for every member's store
+        (they report it once stored), and whether, that being so, some also waits for every
+        member to have applied it only (a delivery, a transient message's confirm: they
+        report that at once as well)."""
         confirms, desk = self._confirms, self._desk
         if confirms is None or desk is None:
-            return False, False
+            return False, False, False
         holding = bool(confirms.holding or desk.unsettled)
         if not holding or not self._stored:
-            return holding, False
-        durable = bool(desk.unsettled) or any(
-            on_disk for lc in confirms.holding.values() for _s, _d, _r, on_disk in lc.held
-        )
-        return holding, durable
+            return holding, False, False
+        durable = bool(desk.unsettled)
+        applied = False
+        for lc in confirms.holding.values():
+            for seq, _d, _r, on_disk in lc.held:
+                if on_disk:
+                    durable = True
+                elif seq:
+                    applied = True
+            if durable and applied:
+                break
+        return holding, durable, applied
+
+    @property
+    def unsettled_takes(self) -> bool:
+        """Batches of ours whose reservations are not known stable yet."""
+        return bool(self._takes)
 
     @property
     def active(self) -> bool:
@@ -239,13 +272,15 @@ class Shipping:
             return
         log_ = b.changes
         assert log_ is not None
-        holding, durable = self.holding()
+        holding, durable, applied = self.holding()
         if not (log_.structural or holding or any(r is not None for r in log_.records)):
             # Nothing happened, or all of it was elided: no batch at all.
             log_.take()
             return
-        batch = self._shipper.batch(b, confirms=holding, durable=durable)
+        batch = self._shipper.batch(b, confirms=holding, durable=durable, applied=applied)
         self.shipped += 1
+        # Once this batch is stable, the reservations it carries are (model/changes.py).
+        self._takes.append((self.shipped, log_.takes))
         self._send(Changes(batch))
         self.on_cut()
 
@@ -322,6 +357,14 @@ class Shipping:
             if seq > stable_seq:
                 break
             applied = batch
+        takes = self._takes
+        if takes and takes[0][0] <= applied:
+            take = 0
+            while takes and takes[0][0] <= applied:
+                take = takes.popleft()[1]
+            b = self.broker
+            if b is not None and b.changes is not None and self._lost is None:
+                b.changes.stable_take = take
         if self._lost is not None:
             return min(applied, self._lost - 1), min(self.stable, self._lost - 1)
         return applied, self.stable
@@ -339,6 +382,7 @@ class Shipping:
         self.shipped = self.delivered = self.stable = 0
         self._lost = None
         self._unstable.clear()
+        self._takes.clear()
         self._room.set()
         self.broker = b
         assert self.io is not None
