@@ -1,0 +1,112 @@
+"""Hot standby shipping changes under faults, on real corosync with real clients: a primary cut
+off from the others never makes a consumer see a message twice without the redelivered flag,
+lets its clients go once the others may have promoted one of theirs, and comes back a backup.
+
+The fault loop (``cpgbroker.dev.faultloop``; ``bench/standby_faults.py`` runs it for longer):
+producers with confirms that never republish, consumers with manual acks, every client given
+every member's URL. The consumers are held below the producers' rate and queue flow is off, so
+the queue stands deep: what a cut-off primary still hands out of it is what a new primary would
+hand out again (docs/operations.md, "Hot standby shipping changes").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from cpgbroker.dev.brokers import BrokerSet
+from cpgbroker.dev.cluster import DevCluster
+from cpgbroker.dev.faultloop import (
+    FAULT_KINDS,
+    STOP_PRIMARY_COROSYNC,
+    FaultLoopOptions,
+    run_fault_loop,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+CHANGES = 'mode = "hot-standby"\nreplication = "changes"'
+# A queue that stands deep (no publisher held back by queue flow).
+DEEP = "\n[limits]\nqueue_flow_messages = 0\n"
+
+
+def standby(broker_set: Callable[..., BrokerSet]) -> BrokerSet:
+    return broker_set(store=True, fsync="always", cluster_options=CHANGES, extra_config=DEEP)
+
+
+def marks(result: dict[str, Any], node: int, text: str) -> list[float]:
+    """When ``node`` logged ``text`` (seconds into the loop)."""
+    return [m["t_s"] for m in result["log_marks"] if m["node"] == node and text in m["msg"]]
+
+
+def assert_nothing_lost_or_unflagged(result: dict[str, Any]) -> None:
+    assert result["all_ready"] and result["digests_equal"], result["repair"]
+    assert result["confirmed"] > 10_000, result
+    assert result["lost"] == 0, result["lost_sample"]
+    assert result["unflagged_duplicates"] == 0, (
+        result["unflagged_by_members"],
+        result["faults"],
+        result["log_marks"],
+    )
+
+
+def test_a_frozen_primary_gives_its_clients_up_and_comes_back_a_backup(
+    cluster: DevCluster, broker_set: Callable[..., BrokerSet]
+) -> None:
+    bs = standby(broker_set)
+    result = run_fault_loop(
+        cluster,
+        bs,
+        FaultLoopOptions(
+            seconds=16,
+            interval=5,
+            faults=(STOP_PRIMARY_COROSYNC,),
+            max_faults=1,
+            consume_rate=1500,
+        ),
+    )
+    assert_nothing_lost_or_unflagged(result)
+    (fault,) = result["faults"]
+    old = fault["node"]
+    assert fault["primary"] == old
+    # The others promoted one of theirs; the old primary's lease lapsed (corosync frozen for
+    # 4 s, the lease 2.75 s with token 1000 ms), after that promotion: never for less.
+    promoted = [
+        t
+        for n in (node.nodeid for node in cluster.nodes)
+        if n != old
+        for t in marks(result, n, "promoted to hot-standby primary")
+        if t > fault["t_s"]
+    ]
+    (lapsed,) = marks(result, old, "hot-standby lease lapsed:")
+    assert promoted and fault["t_s"] < min(promoted) <= lapsed, result["log_marks"]
+    # Its consumers got nothing from it after: it stopped serving at the lapse.
+    assert result["last_delivery_by_node"].get(old, 0) <= lapsed + 0.05, result
+    # After SIGCONT it came back, a backup.
+    status = bs.status(old)
+    assert status is not None and status["state"] == "ready", status
+    assert status["role"] == "backup", status
+
+
+def test_a_short_fault_loop_loses_nothing_and_flags_every_duplicate(
+    cluster: DevCluster, broker_set: Callable[..., BrokerSet]
+) -> None:
+    """Each kind of fault once: the primary's broker killed, its corosync frozen, its node
+    partitioned away, a backup's corosync killed."""
+    bs = standby(broker_set)
+    result = run_fault_loop(
+        cluster,
+        bs,
+        FaultLoopOptions(seconds=36, interval=8, faults=FAULT_KINDS, consume_rate=1500),
+    )
+    assert_nothing_lost_or_unflagged(result)
+    assert [f["kind"] for f in result["faults"]] == list(FAULT_KINDS)
+    partition = result["faults"][2]
+    # The minority side serves no one: the partitioned primary stopped once its partition
+    # lost quorum, and its consumers got nothing from it after.
+    cut_off = partition["node"]
+    stopped = [t for t in marks(result, cut_off, "stopping client service") if t > partition["t_s"]]
+    assert stopped, result["log_marks"]
+    assert result["last_delivery_by_node"].get(cut_off, 0) <= min(stopped) + 0.05, result
