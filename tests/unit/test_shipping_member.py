@@ -9,6 +9,7 @@ import pytest
 import trio
 from pamqp import commands
 
+from cpgbroker.cluster import codec
 from cpgbroker.corosync.events import ConfChg, Deliver, Member, MemberChange, Reason
 from cpgbroker.errors import InvariantError
 from cpgbroker.model import snapshot
@@ -235,6 +236,43 @@ async def test_a_backed_up_queue_reserves_what_follows_and_delivers_it_at_once_o
         await consumer.send(1, commands.Basic.Ack(delivery_tag=4, multiple=True))
         await until(lambda: delivered(consumer) == 6)
         cpgs[0].resume()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_member_catching_up_from_an_update_from_the_back_does_not_vouch_yet() -> None:
+    """An update from the back leaves out what consumers took while it was sent, which the
+    others still hold at a checkpoint until the newcomer's replay reaches those takes: the
+    newcomer's digest there would differ (and it would be voted out), so it takes no
+    checkpoint until it has caught up."""
+    async with trio.open_nursery() as nursery:
+        (a, _b, c), cpgs = await start(nursery, 3, checkpoint_every=4, **CHANGES)
+        bus = cpgs[0].bus
+        votes: list[tuple[int, int]] = []
+
+        def post(ev: object) -> None:
+            if isinstance(ev, Deliver):
+                for e in codec.decode_batch(ev.data, ev.nodeid):
+                    if isinstance(e, codec.Checkpoint):
+                        votes.append((e.member, e.seq))
+            Bus.post(bus, ev)
+
+        bus.post = post  # type: ignore[method-assign]
+        client = await open_confirm_channel(a)
+
+        async def publish(n: int) -> None:
+            # One at a time: a batch (a stream event) each.
+            for _ in range(n):
+                want = len(acks(client)) + 1
+                await a.submit(ClientData(client.lc.id, publish_bytes(b"m")))
+                await until(lambda want=want: len(acks(client)) == want)
+
+        c.broker.replication.catching_up = True
+        await publish(10)
+        seen = {seq for _m, seq in votes}
+        assert seen and all(m != c.member for m, _seq in votes), votes
+        c.broker.replication.catching_up = False
+        await publish(10)
+        assert any(m == c.member and seq not in seen for m, seq in votes), votes
         nursery.cancel_scope.cancel()
 
 

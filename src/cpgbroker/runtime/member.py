@@ -824,7 +824,10 @@ class ClusterNode:
             self.errorchecks.pay_owed(seq)
         if seq % self.progress.every == 0:
             self.multicast.send_control(self._progress_report(seq))
-        if seq % self.checkpoints.every == 0:
+        if seq % self.checkpoints.every == 0 and not self.broker.replication.catching_up:
+            # (A replica's state update from the back left out what consumers took while it
+            # was sent, which the others still hold at checkpoints until the replay reaches
+            # those takes: a newcomer vouches for its state once it has caught up.)
             self.checkpoints.take(seq, self.broker)
 
     # ------------------------------------------------------------------ membership
