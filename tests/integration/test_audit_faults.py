@@ -18,15 +18,17 @@ from brokerclients import run_audit
 
 from cpgbroker.dev.brokers import BrokerSet
 from cpgbroker.dev.cluster import DevCluster
-from cpgbroker.dev.faultloop import STOP_PRIMARY_COROSYNC, FaultLoopOptions, run_fault_loop
+from cpgbroker.dev.faultloop import (
+    DEEP_QUEUE,
+    STANDBY_CHANGES,
+    STOP_PRIMARY_COROSYNC,
+    frozen_primary,
+    run_fault_loop,
+)
 from prereq import require_spark
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.slow]
 
-CHANGES = 'mode = "hot-standby"\nreplication = "changes"'
-# A queue that stands deep (no publisher held back by queue flow): what the frozen primary
-# still hands out of it, the new primary hands out again.
-DEEP = "\n[limits]\nqueue_flow_messages = 0\n"
 # Change batches are few next to client events (one per CPG round trip under load): with the
 # default 10,000 a short run reaches no digest checkpoint, and replica consistency would be
 # skipped rather than checked.
@@ -40,8 +42,8 @@ def test_a_frozen_primarys_duplicates_audit_green(
     bs = broker_set(
         store=True,
         fsync="always",
-        cluster_options=CHANGES,
-        extra_config=DEEP,
+        cluster_options=STANDBY_CHANGES,
+        extra_config=DEEP_QUEUE,
         checkpoint_every=CHECKPOINT_EVERY,
     )
     histories = tmp_path / "histories"
@@ -49,14 +51,7 @@ def test_a_frozen_primarys_duplicates_audit_green(
     result = run_fault_loop(
         cluster,
         bs,
-        FaultLoopOptions(
-            seconds=16,
-            interval=5,
-            faults=(STOP_PRIMARY_COROSYNC,),
-            max_faults=1,
-            consume_rate=1500,
-            history_dir=str(histories),
-        ),
+        frozen_primary(history_dir=str(histories)),
     )
     # The members flush their event logs as they stop.
     bs.stop_all()

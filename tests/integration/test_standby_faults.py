@@ -19,21 +19,21 @@ import pytest
 from cpgbroker.dev.brokers import BrokerSet
 from cpgbroker.dev.cluster import DevCluster
 from cpgbroker.dev.faultloop import (
+    DEEP_QUEUE,
     FAULT_KINDS,
-    STOP_PRIMARY_COROSYNC,
+    STANDBY_CHANGES,
     FaultLoopOptions,
+    frozen_primary,
     run_fault_loop,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-CHANGES = 'mode = "hot-standby"\nreplication = "changes"'
-# A queue that stands deep (no publisher held back by queue flow).
-DEEP = "\n[limits]\nqueue_flow_messages = 0\n"
-
 
 def standby(broker_set: Callable[..., BrokerSet]) -> BrokerSet:
-    return broker_set(store=True, fsync="always", cluster_options=CHANGES, extra_config=DEEP)
+    return broker_set(
+        store=True, fsync="always", cluster_options=STANDBY_CHANGES, extra_config=DEEP_QUEUE
+    )
 
 
 def marks(result: dict[str, Any], node: int, text: str) -> list[float]:
@@ -56,17 +56,7 @@ def test_a_frozen_primary_gives_its_clients_up_and_comes_back_a_backup(
     cluster: DevCluster, broker_set: Callable[..., BrokerSet]
 ) -> None:
     bs = standby(broker_set)
-    result = run_fault_loop(
-        cluster,
-        bs,
-        FaultLoopOptions(
-            seconds=16,
-            interval=5,
-            faults=(STOP_PRIMARY_COROSYNC,),
-            max_faults=1,
-            consume_rate=1500,
-        ),
-    )
+    result = run_fault_loop(cluster, bs, frozen_primary())
     assert_nothing_lost_or_unflagged(result)
     (fault,) = result["faults"]
     old = fault["node"]

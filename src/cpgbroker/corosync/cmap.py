@@ -11,7 +11,9 @@ and disconnects. Failures raise the CPG binding's exception classes
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+from collections.abc import Iterator
 from typing import Final
 
 import attrs
@@ -69,20 +71,28 @@ class RingSecurity:
         return True
 
 
+def _found(rc: int, call: str, key: str) -> bool:
+    """Whether a cmap read found ``key``; any other failure raises."""
+    if rc == lib.CS_ERR_NOT_EXIST:
+        return False
+    if rc != lib.CS_OK:
+        raise make_error(rc, call, key)
+    return True
+
+
 def _get(handle: int, key: str) -> str | None:
     out = ffi.new("char **")
-    rc = lib.cmap_get_string(handle, key.encode(), out)
-    if rc == lib.CS_ERR_NOT_EXIST:
+    if not _found(lib.cmap_get_string(handle, key.encode(), out), "cmap_get_string", key):
         return None
-    if rc != lib.CS_OK:
-        raise make_error(rc, "cmap_get_string", key)
     try:
         return str(ffi.string(out[0]).decode(errors="replace"))
     finally:
         lib.cmb_free(out[0])
 
 
-def ring_security(netns: str | None = None) -> RingSecurity:
+@contextlib.contextmanager
+def _connected(netns: str | None) -> Iterator[int]:
+    """A cmap handle to the local corosync (in ``netns``), finalized on the way out."""
     with enter_netns(netns):
         h = ffi.new("cmap_handle_t *")
         rc = lib.cmap_initialize(h)
@@ -90,6 +100,13 @@ def ring_security(netns: str | None = None) -> RingSecurity:
             raise make_error(rc, "cmap_initialize")
     handle = h[0]
     try:
+        yield int(handle)
+    finally:
+        lib.cmap_finalize(handle)
+
+
+def ring_security(netns: str | None = None) -> RingSecurity:
+    with _connected(netns) as handle:
         cipher = (_get(handle, "totem.crypto_cipher") or "none").lower()
         hash_ = (_get(handle, "totem.crypto_hash") or "none").lower()
         addresses: list[str] = []
@@ -108,8 +125,6 @@ def ring_security(netns: str | None = None) -> RingSecurity:
             if bind is not None:
                 addresses.append(bind)
         return RingSecurity(cipher, hash_, tuple(addresses))
-    finally:
-        lib.cmap_finalize(handle)
 
 
 @attrs.frozen
@@ -124,11 +139,8 @@ DEFAULT_TOKEN_MS: Final = 3000
 
 def _get_u32(handle: int, key: str) -> int | None:
     out = ffi.new("uint32_t *")
-    rc = lib.cmap_get_uint32(handle, key.encode(), out)
-    if rc == lib.CS_ERR_NOT_EXIST:
+    if not _found(lib.cmap_get_uint32(handle, key.encode(), out), "cmap_get_uint32", key):
         return None
-    if rc != lib.CS_OK:
-        raise make_error(rc, "cmap_get_uint32", key)
     return int(out[0])
 
 
@@ -137,16 +149,8 @@ def totem_timeouts(netns: str | None = None) -> TotemTimeouts:
     keys: what it computed from corosync.conf, token_coefficient included). A member that
     stops answering is declared lost by the others no sooner than the token timeout after the
     last token it passed, plus the consensus timeout to agree on the new ring."""
-    with enter_netns(netns):
-        h = ffi.new("cmap_handle_t *")
-        rc = lib.cmap_initialize(h)
-        if rc != lib.CS_OK:
-            raise make_error(rc, "cmap_initialize")
-    handle = h[0]
-    try:
+    with _connected(netns) as handle:
         token = _get_u32(handle, "runtime.config.totem.token") or DEFAULT_TOKEN_MS
         # corosync computes 1.2 x token when consensus is not configured.
         consensus = _get_u32(handle, "runtime.config.totem.consensus") or token * 6 // 5
         return TotemTimeouts(token, consensus)
-    finally:
-        lib.cmap_finalize(handle)

@@ -927,6 +927,27 @@ class FaultLoop:
         return None if t is None else self._rel(t)
 
 
+# A hot-standby cluster shipping changes (``BrokerSet(cluster_options=...)``), and a queue that
+# stands deep (``extra_config``: no publisher held back by queue flow): what a cut-off primary
+# still hands out of it, a new primary would hand out again.
+STANDBY_CHANGES = 'mode = "hot-standby"\nreplication = "changes"'
+DEEP_QUEUE = "\n[limits]\nqueue_flow_messages = 0\n"
+
+
+def frozen_primary(**more: Any) -> FaultLoopOptions:
+    """One freeze of the primary's corosync (4 s) in a 16 s run, consumers held at 1,500
+    deliveries per second each while publishing so that the queue stands deep: the tests'
+    short loop (``more``: other options)."""
+    return FaultLoopOptions(
+        seconds=16,
+        interval=5,
+        faults=(STOP_PRIMARY_COROSYNC,),
+        max_faults=1,
+        consume_rate=1500,
+        **more,
+    )
+
+
 async def fault_loop(
     dc: DevCluster,
     bs: BrokerSet,
