@@ -286,11 +286,13 @@ class ChangeLog:
 
     def unreserve(self, q: Queue, e: Entry) -> None:
         """``e`` left ``q`` without a delivery (expired, dropped, purged) or was settled."""
-        if self._reserved and self._reserved.pop((q, e.msg.id), None) is not None:
+        if self._reserved.pop((q, e.msg.id), None) is not None:
             self._ahead[q] -= 1
 
     def released(self, q: Queue, e: Entry) -> None:
-        self.unreserve(q, e)
+        if self._reserved:
+            # (Looked at only while reservations are pending: this runs for every ack.)
+            self.unreserve(q, e)
         if self._ships(q, e):
             at = self._open.pop((q, e.msg.id), None)
             if at is not None:

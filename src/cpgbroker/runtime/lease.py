@@ -106,7 +106,6 @@ class PrimaryLease:
         """The ring works as of ``now`` (this member was just promoted by a membership change
         it delivered)."""
         self._granted_at = now
-        self.lapsed_at = None
 
     def expires_at(self) -> float:
         sent = self._last_own_sent()
