@@ -780,6 +780,11 @@ class FederationLinks:
             for c in confirms:
                 if c is not None and not await c.wait():
                     raise LinkRefused("the upstream refused a pushed message (nack)")
+            # Counted once the upstream confirmed them, before the removal: a runner cut off
+            # while the removal is applied (its connection lost, so this task cancelled) must
+            # still have counted them, as nothing sends them again. A batch that a later runner
+            # sends again is counted again (at least once, as delivery).
+            state.pushed += len(confirms)
             status, _ = await self._desk.request(
                 TRUSTED,
                 "federation_pushed",
@@ -793,7 +798,6 @@ class FederationLinks:
             )
             if status != 200:
                 raise LinkRefused(f"the push queue is gone ({status})")
-            state.pushed += len(confirms)
 
 
 class LinkRefused(CpgBrokerError):
