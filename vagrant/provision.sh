@@ -18,6 +18,9 @@
 #   CPGBROKER_SERVICE_USER=USER  the user the broker runs as (default cpgbroker, created here)
 #   CPGBROKER_START=no           install only; do not enable or start the services
 #   CPGBROKER_SOURCE=DIR         the project's source tree (default: this script's parent)
+#   CPGBROKER_TLS=1              clients use amqps (`cluster init --tls`): each member gets a
+#                                certificate from the cluster's private CA, derived from the
+#                                seed like the authkey; clients trust /etc/cpgbroker/tls/ca.pem
 # Safe to run again: files already installed are left as they are.
 set -euo pipefail
 
@@ -30,6 +33,7 @@ VENV=/opt/cpgbroker
 BIN=${CPGBROKER_BIN:-$VENV/bin/cpgbroker}
 USER_NAME=${CPGBROKER_SERVICE_USER:-cpgbroker}
 START=${CPGBROKER_START:-yes}
+TLS=${CPGBROKER_TLS:-0}
 [ -n "$PREFIX" ] && START=no
 
 say() { echo "provision[$NODE]: $*"; }
@@ -70,6 +74,7 @@ if [ ! -f "$INIT/corosync.conf" ]; then
   rm -rf "$INIT"
   # It holds the authkey and the password: root's only.
   mkdir -p -m 0700 "$INIT"
+  [ "$TLS" = 1 ] && args+=(--tls)
   "$BIN" cluster init "${args[@]}" --out "$INIT" --seed-file "$SEED" \
     --service-user "$USER_NAME" ${PREFIX:+--prefix "$PREFIX"}
 fi
@@ -84,6 +89,13 @@ install -m 0644 "$INIT/corosync.conf" "$PREFIX/etc/corosync/corosync.conf"
 install -m 0400 "$INIT/authkey" "$PREFIX/etc/corosync/authkey"
 install -d -m 0750 -g "$USER_NAME" "$PREFIX/etc/cpgbroker"
 install -m 0640 -g "$USER_NAME" "$INIT/$NODE/cpgbroker.toml" "$PREFIX/etc/cpgbroker/cpgbroker.toml"
+if [ -f "$INIT/$NODE/tls/cert.pem" ]; then
+  # The member's certificate and the CA's (anyone may read them: clients need ca.pem), its
+  # key readable by the broker's group only.
+  install -d -m 0755 "$PREFIX/etc/cpgbroker/tls"
+  install -m 0644 "$INIT/$NODE/tls/cert.pem" "$INIT/$NODE/tls/ca.pem" "$PREFIX/etc/cpgbroker/tls/"
+  install -m 0640 -g "$USER_NAME" "$INIT/$NODE/tls/key.pem" "$PREFIX/etc/cpgbroker/tls/key.pem"
+fi
 # The AMQP user's password, for clients run on this node (root only).
 install -m 0600 "$INIT/admin.password" "$PREFIX/etc/cpgbroker/admin.password"
 install -d -m 0750 -o "$USER_NAME" -g "$USER_NAME" \

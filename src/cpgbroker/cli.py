@@ -109,6 +109,23 @@ def main(argv: list[str] | None = None) -> int:
     init.add_argument("--admin-port", type=int, default=15672)
     init.add_argument("--token-ms", type=int, default=3000, help="corosync token timeout")
     init.add_argument(
+        "--update-port",
+        type=int,
+        default=25672,
+        help="port where a member receives the state when it joins (open it between members)",
+    )
+    init.add_argument(
+        "--tls",
+        action="store_true",
+        help="clients use amqps: a certificate per member (signed by a private CA made here, "
+        "or by --ca-cert/--ca-key), amqps URLs for failover, the admin endpoint over https",
+    )
+    init.add_argument("--amqps-port", type=int, default=5671)
+    init.add_argument("--ca-cert", default=None, help="with --tls: your CA's certificate (PEM)")
+    init.add_argument(
+        "--ca-key", default=None, help="with --tls: your CA's private key (PEM, unencrypted)"
+    )
+    init.add_argument(
         "--service-user",
         default="cpgbroker",
         help="the user the broker runs as (the systemd unit's): corosync grants it IPC",
@@ -124,6 +141,18 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="derive the authkey and password from this file's bytes instead of random ones, "
         "so that machines provisioned separately from one seed write identical shared files",
+    )
+    certs = cluster_sub.add_parser(
+        "certs",
+        help="new member certificates from the cluster's CA, for a rolling change of "
+        "certificates (docs/operations.md, 'amqps')",
+    )
+    certs.add_argument("--node", action="append", required=True, metavar="NAME=ADDRESS")
+    certs.add_argument("--out", required=True, help="directory to write into (must not hold them)")
+    certs.add_argument("--ca-cert", required=True, help="the CA's certificate (PEM)")
+    certs.add_argument("--ca-key", required=True, help="the CA's private key (PEM, unencrypted)")
+    certs.add_argument(
+        "--seed-file", default=None, help="as for init: the members keep the keys it derives"
     )
     cluster_sub.add_parser(
         "stop",
@@ -171,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         return _hash_password()
     if ns.command == "cluster" and ns.action == "init":
         return _cluster_init(ns)
+    if ns.command == "cluster" and ns.action == "certs":
+        return _cluster_certs(ns)
     if ns.command == "ctl" and (not ns.ctl_args or ns.ctl_args[0] in ("help", "-h", "--help")):
         from cpgbroker.runtime import ctl as ctl_commands
 
@@ -251,6 +282,11 @@ def _cluster_init(ns: argparse.Namespace) -> int:
             token_ms=ns.token_ms,
             seed=seed,
             service_user=ns.service_user,
+            update_port=ns.update_port,
+            tls=ns.tls,
+            amqps_port=ns.amqps_port,
+            ca_cert=Path(ns.ca_cert).read_bytes() if ns.ca_cert else None,
+            ca_key=Path(ns.ca_key).read_bytes() if ns.ca_key else None,
         )
         result = init.write(opts, Path(ns.out))
     except (ConfigError, OSError) as e:
@@ -259,6 +295,35 @@ def _cluster_init(ns: argparse.Namespace) -> int:
     for path in result.files:
         print(f"wrote {path}")
     print(f"AMQP user {ns.user!r}: its password is in {result.password_file}")
+    out = Path(ns.out)
+    if out / "ca.pem" in result.files:
+        print(f"amqps: clients verify the members with {out / 'ca.pem'}")
+    if out / "ca.key" in result.files:
+        print(f"the private CA's key is {out / 'ca.key'}: keep it off the machines")
+    return 0
+
+
+def _cluster_certs(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from cpgbroker.deploy import init
+    from cpgbroker.errors import ConfigError
+
+    try:
+        seed = Path(ns.seed_file).read_bytes() if ns.seed_file else None
+        opts = init.InitOptions(
+            nodes=tuple(init.parse_node(n) for n in ns.node),
+            seed=seed,
+            tls=True,
+            ca_cert=Path(ns.ca_cert).read_bytes(),
+            ca_key=Path(ns.ca_key).read_bytes(),
+        )
+        files = init.write_certs(opts, Path(ns.out))
+    except (ConfigError, OSError) as e:
+        print(f"cpgbroker: {e}", file=sys.stderr)
+        return 1
+    for path in files:
+        print(f"wrote {path}")
     return 0
 
 

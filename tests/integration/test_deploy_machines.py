@@ -5,24 +5,31 @@ each VM — minus package installation, into a directory of its own (its ``/``):
 ``cpgbroker cluster init`` writes (encrypted corosync.conf, authkey, the member's toml), the
 systemd unit. corosync runs from the installed corosync.conf, and each member is started with
 the systemd unit's own ``ExecStart`` line, inside its machine's namespace, as systemd would.
-Then a pika client with every member's URL is served, fails over, and a node with another
-authkey is kept out.
+The cluster is deployed with TLS (``cluster init --tls``, a private CA): pika and aio-pika
+reach the members over amqps, trusting the generated CA, with the amqps URLs the members hand
+out for failover; a client trusting another CA is refused; ``cpgbroker status`` works against
+the https admin endpoints with no extra flags; one member's certificate is changed with a
+restart while the others serve; and a node with another authkey is kept out.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shlex
 import signal
+import ssl
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import aio_pika
 import pika
 import pytest
+import trustme
 
 from cpgbroker.corosync.cpg import enter_netns
 from cpgbroker.dev.cluster import DevCluster, new_test_prefix
@@ -106,12 +113,37 @@ class Machines:
     def password(self) -> str:
         return (self.root(1) / "etc" / "cpgbroker" / "admin.password").read_text().strip()
 
-    def urls(self) -> list[pika.URLParameters]:
-        pw = self.password()
-        return [
-            pika.URLParameters(f"amqp://admin:{pw}@{n.address}:5672/%2F?connection_attempts=1")
-            for n in self.dc.nodes
-        ]
+    def ca(self) -> Path:
+        """The cluster's CA certificate as installed on machine 1 (what clients trust)."""
+        return self.root(1) / "etc" / "cpgbroker" / "tls" / "ca.pem"
+
+    def context(self, ca: Path | None = None) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(ca or self.ca()))
+
+    def params(
+        self, urls: list[str], ctx: ssl.SSLContext | None = None
+    ) -> list[pika.ConnectionParameters]:
+        """pika's parameters for amqps ``urls`` (host and port from each), in order."""
+        ctx = ctx or self.context()
+        creds = pika.PlainCredentials("admin", self.password())
+        out = []
+        for url in urls:
+            assert url.startswith("amqps://"), url
+            host, port = url.removeprefix("amqps://").rstrip("/").rsplit(":", 1)
+            out.append(
+                pika.ConnectionParameters(
+                    host,
+                    int(port),
+                    credentials=creds,
+                    connection_attempts=1,
+                    ssl_options=pika.SSLOptions(ctx, server_hostname=host),
+                )
+            )
+        return out
+
+    def urls(self) -> list[str]:
+        """Every member's amqps URL, as the generated configurations give them."""
+        return [f"amqps://{n.address}:5671/" for n in self.dc.nodes]
 
     def stop_all(self) -> None:
         for proc in self.procs.values():
@@ -135,6 +167,7 @@ def machines(cluster_support: None, tmp_path: Path) -> Iterator[Machines]:
             "CPGBROKER_BIN": str(Path(sys.executable).with_name("cpgbroker")),
             # The brokers run as root here (no systemd to switch users).
             "CPGBROKER_SERVICE_USER": "root",
+            "CPGBROKER_TLS": "1",
         }
         done = subprocess.run(
             ["bash", str(PROVISION), f"n{n.nodeid}", node_list, str(seed)],
@@ -153,8 +186,36 @@ def machines(cluster_support: None, tmp_path: Path) -> Iterator[Machines]:
         dc.down()
 
 
-def test_three_provisioned_machines_serve_pika_with_failover_and_keep_out_another_key(
-    machines: Machines,
+async def aio_pika_fails_over(urls: list[str], password: str, ctx: ssl.SSLContext) -> list[str]:
+    """aio-pika over amqps: each URL in turn until one serves (the first member is dead);
+    publishes with confirms and reads back. Which URLs refused, and what came back."""
+    refused = []
+    for url in urls:
+        host_port = url.removeprefix("amqps://").rstrip("/")
+        try:
+            conn = await aio_pika.connect(
+                f"amqps://admin:{password}@{host_port}/", ssl_context=ctx, timeout=5
+            )
+        except (TimeoutError, OSError):
+            refused.append(url)
+            continue
+        async with conn:
+            ch = await conn.channel(publisher_confirms=True)
+            q = await ch.declare_queue("", exclusive=True)
+            for i in range(20):
+                await ch.default_exchange.publish(aio_pika.Message(b"aio %d" % i), q.name)
+            got = []
+            for _ in range(20):
+                m = await q.get(no_ack=True, timeout=5)
+                assert m is not None
+                got.append(m.body.decode())
+            assert got == [f"aio {i}" for i in range(20)]
+        return refused
+    raise AssertionError(f"aio-pika found no member serving among {urls}")
+
+
+def test_three_provisioned_machines_serve_amqps_with_failover_and_keep_out_another_key(
+    machines: Machines, tmp_path: Path
 ) -> None:
     m = machines
     for n in (1, 2, 3):
@@ -162,7 +223,12 @@ def test_three_provisioned_machines_serve_pika_with_failover_and_keep_out_anothe
         assert (installed / "etc/systemd/system/cpgbroker.service").read_text() == UNIT.read_text()
         conf = (installed / "etc/corosync/corosync.conf").read_text()
         assert "crypto_cipher: aes256" in conf and f"keyfile: {installed}/etc/corosync" in conf
+        toml = (installed / "etc/cpgbroker/cpgbroker.toml").read_text()
+        assert "admin_tls = true" in toml
+        key = installed / "etc/cpgbroker/tls/key.pem"
+        assert key.stat().st_mode & 0o777 == 0o640
         m.start(n)
+    # `cpgbroker status --config ...` (no flags) over the members' https admin endpoints.
     m.wait_ready([1, 2, 3])
     for n in (1, 2, 3):
         assert "corosync ring encrypted cipher=aes256 hash=sha256" in m.log(n)
@@ -171,9 +237,18 @@ def test_three_provisioned_machines_serve_pika_with_failover_and_keep_out_anothe
     status = m.status(2)
     assert status is not None and len(status["members"]) == 3  # type: ignore[arg-type]
 
-    # The client runs on machine 1's network; it knows every member's URL.
+    # The client runs on machine 1's network; it trusts the cluster's CA.
     with enter_netns(m.dc.node(1).netns):
-        conn = pika.BlockingConnection(m.urls())
+        # Trusting another CA, a client refuses every member.
+        other = trustme.CA()
+        other.cert_pem.write_to_path(str(tmp_path / "other-ca.pem"))
+        with pytest.raises((pika.exceptions.AMQPConnectionError, ssl.SSLError)):
+            pika.BlockingConnection(m.params(m.urls()[1:2], m.context(tmp_path / "other-ca.pem")))
+        conn = pika.BlockingConnection(m.params(m.urls()))
+        # The failover list each member hands out: every member's amqps URL.
+        props = conn._impl.server_properties
+        members = props["cluster_members"].split()
+        assert sorted(members) == sorted(m.urls()), members
         ch = conn.channel()
         ch.confirm_delivery()
         ch.queue_declare("orders", durable=True)
@@ -187,7 +262,8 @@ def test_three_provisioned_machines_serve_pika_with_failover_and_keep_out_anothe
         with pytest.raises(pika.exceptions.AMQPError):
             for _ in range(50):
                 conn.process_data_events(0.1)
-        conn = pika.BlockingConnection(m.urls())  # machine 1 refuses: on to machine 2
+        # Machine 1 refuses: on to the next member of the list the cluster handed out.
+        conn = pika.BlockingConnection(m.params(members))
         ch = conn.channel()
         got = []
         for _ in range(200):
@@ -195,6 +271,38 @@ def test_three_provisioned_machines_serve_pika_with_failover_and_keep_out_anothe
             assert method is not None, f"only {len(got)} of 200 confirmed messages"
             got.append(body.decode())
         assert got == [f"order {i}" for i in range(200)]
+        conn.close()
+        refused = asyncio.run(aio_pika_fails_over(m.urls(), m.password(), m.context()))
+        assert refused == [m.urls()[0]]
+
+    # A rolling change of certificates: machine 2 gets a new one from the cluster's CA (its
+    # key stays on the machine that ran `cluster init`), installed, and the member restarted
+    # while machine 3 serves; then machine 2 serves with the new certificate.
+    init_dir = m.root(1) / "var/lib/cpgbroker-init"
+    ca_args = ["--ca-cert", str(init_dir / "ca.pem"), "--ca-key", str(init_dir / "ca.key")]
+    node2 = ["--node", f"n2={m.dc.node(2).address}", "--out", str(tmp_path / "renew")]
+    renew = subprocess.run(
+        [str(m.root(1) / "usr/local/bin/cpgbroker"), "cluster", "certs", *ca_args, *node2],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert renew.returncode == 0, renew.stderr
+    new_cert = (tmp_path / "renew/n2/tls/cert.pem").read_text()
+    tls2 = m.root(2) / "etc/cpgbroker/tls"
+    assert (tls2 / "cert.pem").read_text() != new_cert
+    (tls2 / "cert.pem").write_text(new_cert)
+    (tls2 / "key.pem").write_bytes((tmp_path / "renew/n2/tls/key.pem").read_bytes())
+    m.procs[2].send_signal(signal.SIGTERM)
+    assert m.procs[2].wait(30) == 0
+    m.start(2)
+    m.wait_ready([2])
+    with enter_netns(m.dc.node(1).netns):
+        address = m.dc.node(2).address
+        raw = ssl.get_server_certificate((address, 5671), ca_certs=str(m.ca()))
+        assert ssl.PEM_cert_to_DER_cert(raw) == ssl.PEM_cert_to_DER_cert(new_cert)
+        conn = pika.BlockingConnection(m.params(m.urls()[1:2]))
+        assert conn.channel().queue_declare("orders", passive=True).method.message_count == 0
         conn.close()
 
     # Machine 3 with another authkey: corosync cannot read the ring, so its member never
@@ -219,5 +327,5 @@ def test_three_provisioned_machines_serve_pika_with_failover_and_keep_out_anothe
     assert s2 is not None and s2["state"] == "ready"
     assert len(s2["members"]) == 1  # type: ignore[arg-type]  # machine 1's member was killed
     with enter_netns(m.dc.node(1).netns), pytest.raises(pika.exceptions.AMQPConnectionError):
-        pika.BlockingConnection(m.urls()[2])
+        pika.BlockingConnection(m.params(m.urls()[2:3]))
     assert "ready" not in (m.status(3) or {}).get("state", "")

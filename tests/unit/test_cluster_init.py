@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import shutil
+import ssl
 import stat
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
+import trustme
 
 from cpgbroker.errors import ConfigError
 from cpgbroker.model import auth
@@ -147,3 +150,140 @@ def test_a_written_user_is_the_model_user_the_broker_checks() -> None:
         deploy.write(deploy.InitOptions(nodes=()), Path("/nonexistent"))
     h = auth.hash_password("pw", b"salt")
     assert auth.password_ok(User("u", "", password_hash=h), "pw")
+
+
+def handshake(cert: Path, key: Path, ca: Path, host: str) -> None:
+    """A TLS handshake in memory between a server with ``cert``/``key`` and a client that
+    trusts ``ca`` and dials ``host`` (name or IP checked as clients check it); raises
+    ssl.SSLError when the client refuses the server."""
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(cert, key)
+    client = ssl.create_default_context(cafile=str(ca))
+    c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
+    c = client.wrap_bio(c_in, c_out, server_hostname=host)
+    s = server.wrap_bio(s_in, s_out, server_side=True)
+    done = {c: False, s: False}
+    for _ in range(10):
+        for side in (c, s):
+            if not done[side]:
+                try:
+                    side.do_handshake()
+                    done[side] = True
+                except ssl.SSLWantReadError:
+                    pass
+        s_in.write(c_out.read())
+        c_in.write(s_out.read())
+        if all(done.values()):
+            return
+    raise AssertionError("the handshake did not finish")
+
+
+def test_tls_gives_each_member_a_certificate_from_a_private_ca_and_amqps_urls(
+    tmp_path: Path,
+) -> None:
+    out = init(*NODES, "--out", str(tmp_path / "c"), "--tls")
+    assert out.returncode == 0, out.stderr
+    assert "clients verify the members with" in out.stdout and "keep it off" in out.stdout
+    c = tmp_path / "c"
+    assert stat.S_IMODE((c / "ca.key").stat().st_mode) == 0o600
+    for n in ("n1", "n2", "n3"):
+        tls = c / n / "tls"
+        assert stat.S_IMODE((tls / "key.pem").stat().st_mode) == 0o600
+        assert (tls / "ca.pem").read_bytes() == (c / "ca.pem").read_bytes()
+        address = f"10.0.0.1{n[1]}"
+        # Clients dial the node's address; the CLI reaches the admin endpoint on loopback.
+        for host in (address, "127.0.0.1", n):
+            handshake(tls / "cert.pem", tls / "key.pem", c / "ca.pem", host)
+        with pytest.raises(ssl.SSLCertVerificationError):
+            handshake(tls / "cert.pem", tls / "key.pem", c / "ca.pem", "10.0.0.99")
+        text = (c / n / "cpgbroker.toml").read_text()
+        data = tomllib.loads(text)
+        assert data["server"]["listen"] == ["127.0.0.1:5672"]
+        assert data["server"]["listen_tls"] == [f"{address}:5671"]
+        assert data["server"]["admin_tls"] is True
+        assert data["cluster"]["url"] == f"amqps://{address}:5671/"
+        assert data["tls"] == {
+            "certfile": "/etc/cpgbroker/tls/cert.pem",
+            "keyfile": "/etc/cpgbroker/tls/key.pem",
+            "cacertfile": "/etc/cpgbroker/tls/ca.pem",
+        }
+        # As installed, the member starts with it: the same checks as `cpgbroker start`.
+        for key in data["tls"]:
+            data["tls"][key] = str(tls / Path(data["tls"][key]).name)
+        cfg = settings.from_dict(data)
+        assert cfg.admin_tls and cfg.tls is not None and cfg.listen_tls == (f"{address}:5671",)
+    # Another cluster's CA does not vouch for these members.
+    assert init(*NODES, "--out", str(tmp_path / "d"), "--tls").returncode == 0
+    with pytest.raises(ssl.SSLCertVerificationError):
+        handshake(c / "n1/tls/cert.pem", c / "n1/tls/key.pem", tmp_path / "d/ca.pem", "10.0.0.11")
+
+
+def test_the_state_update_port_is_fixed_and_the_event_log_kept_with_the_state(
+    tmp_path: Path,
+) -> None:
+    assert init(*NODES, "--out", str(tmp_path / "c"), "--update-port", "25999").returncode == 0
+    cfg = settings.load(str(tmp_path / "c" / "n2" / "cpgbroker.toml"))
+    assert cfg.cluster is not None
+    assert cfg.cluster.update_listen == "10.0.0.12:25999"
+    # The unit's StateDirectory, as docs/operations.md says (not a log that rotation cuts).
+    assert cfg.cluster.event_log == "/var/lib/cpgbroker/broker.events.jsonl"
+    clash = init(*NODES, "--out", str(tmp_path / "d"), "--update-port", "5672")
+    assert clash.returncode == 1 and "share port 5672" in clash.stderr
+
+
+def test_one_seed_gives_every_machine_the_same_ca_and_member_keys(tmp_path: Path) -> None:
+    seed = tmp_path / "seed"
+    seed.write_bytes(b"t" * 64)
+    for d in ("a", "b"):
+        done = init(*NODES, "--out", str(tmp_path / d), "--seed-file", str(seed), "--tls")
+        assert done.returncode == 0, done.stderr
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert (a / "ca.key").read_bytes() == (b / "ca.key").read_bytes()
+    assert (a / "n3/tls/key.pem").read_bytes() == (b / "n3/tls/key.pem").read_bytes()
+    # Signed separately, yet either machine's CA certificate verifies the other's members.
+    handshake(a / "n3/tls/cert.pem", a / "n3/tls/key.pem", b / "ca.pem", "10.0.0.13")
+    handshake(b / "n1/tls/cert.pem", b / "n1/tls/key.pem", a / "ca.pem", "10.0.0.11")
+
+
+def test_an_operators_ca_signs_the_members_and_renews_them(tmp_path: Path) -> None:
+    ca = trustme.CA(organization_name="operator")
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    ca.private_key_pem.write_to_path(str(tmp_path / "ca.key"))
+    ca_args = ["--ca-cert", str(tmp_path / "ca.pem"), "--ca-key", str(tmp_path / "ca.key")]
+    out = init(*NODES, "--out", str(tmp_path / "c"), "--tls", *ca_args)
+    assert out.returncode == 0, out.stderr
+    c = tmp_path / "c"
+    assert not (c / "ca.key").exists()  # the operator's key stays where it was
+    assert (c / "ca.pem").read_bytes() == (tmp_path / "ca.pem").read_bytes()
+    handshake(c / "n2/tls/cert.pem", c / "n2/tls/key.pem", tmp_path / "ca.pem", "10.0.0.12")
+    # A rolling change of certificates: new ones for a node, from the same CA.
+    certs = [sys.executable, "-m", "cpgbroker", "cluster", "certs", "--node", "n2=10.0.0.12"]
+    renew = subprocess.run(
+        [*certs, "--out", str(tmp_path / "r"), *ca_args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert renew.returncode == 0, renew.stderr
+    r = tmp_path / "r"
+    assert sorted(p.name for p in (r / "n2" / "tls").iterdir()) == ["ca.pem", "cert.pem", "key.pem"]
+    assert not (r / "authkey").exists() and not (r / "n2" / "cpgbroker.toml").exists()
+    assert (r / "n2/tls/cert.pem").read_bytes() != (c / "n2/tls/cert.pem").read_bytes()
+    handshake(r / "n2/tls/cert.pem", r / "n2/tls/key.pem", tmp_path / "ca.pem", "10.0.0.12")
+    # A key that is not the CA's is refused before anything is written.
+    other = trustme.CA()
+    other.private_key_pem.write_to_path(str(tmp_path / "other.key"))
+    bad = init(
+        *NODES,
+        "--out",
+        str(tmp_path / "x"),
+        "--tls",
+        "--ca-cert",
+        str(tmp_path / "ca.pem"),
+        "--ca-key",
+        str(tmp_path / "other.key"),
+    )
+    assert bad.returncode == 1 and "does not belong" in bad.stderr
+    assert not (tmp_path / "x").exists()
+    alone = init(*NODES, "--out", str(tmp_path / "y"), *ca_args)
+    assert alone.returncode == 1 and "are for --tls" in alone.stderr
