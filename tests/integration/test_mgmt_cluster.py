@@ -72,6 +72,10 @@ def test_every_member_answers_the_api_for_the_whole_cluster(
         assert all(node["running"] and node["cpgbroker_state"] == "ready" for node in nodes)
         status, overview = api(bs, n, "/api/overview")
         assert overview["node"] == f"cpgbroker@127.0.0.1:{bs.ports[n][0]}"
+        # One cluster name on every member (by default the CPG group), where each member
+        # names its own node.
+        assert overview["cluster_name"] == bs.group
+        assert api(bs, n, "/api/cluster-name") == (200, {"name": bs.group})
         assert overview["queue_totals"]["messages"] == 11
         # The one client is on member 1; every member lists it, with member 1 as its node.
         status, conns = api(bs, n, "/api/connections")
@@ -91,6 +95,13 @@ def test_every_member_answers_the_api_for_the_whole_cluster(
         }
         assert samples[("rabbitmq_queue_messages_ready", "mc.a")] == 6
         assert samples[("cpgbroker_members_ready", "")] == 3
+        identity = [
+            s.labels
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "rabbitmq_identity_info"
+        ]
+        assert identity == [{"rabbitmq_node": overview["node"], "rabbitmq_cluster": bs.group}]
         # Counters for rates, the ring's traffic, what waits for stability, apply times.
         assert samples[("cpgbroker_queue_messages_published_total", "mc.a")] == 6
         assert samples[("cpgbroker_queue_messages_delivered_total", "mc.a")] == 0
@@ -101,6 +112,11 @@ def test_every_member_answers_the_api_for_the_whole_cluster(
         assert timed <= samples[("cpgbroker_event_seq", "")] // 64
         assert samples[("cpgbroker_member_lag_events", "")] >= 0
         assert api(bs, n, "/api/queues", "Basic " + base64.b64encode(b"ops:x").decode())[0] == 401
+    # Clients are told the same name by every member (connection.start's cluster_name).
+    for n in (1, 2, 3):
+        other = connect(bs, n)
+        assert other._impl.server_properties["cluster_name"] == bs.group
+        other.close()
     conn.close()
 
 
@@ -190,7 +206,7 @@ def same_state(sets: list[tuple[BrokerSet, int]], timeout: float = 30.0) -> str:
 def test_a_management_write_through_a_member_is_refused_without_rights_and_logged(
     broker_set: Callable[..., BrokerSet],
 ) -> None:
-    bs = broker_set(extra_config=ADMIN_USERS + MONITOR_USER)
+    bs = broker_set(extra_config=ADMIN_USERS + MONITOR_USER, cluster_options='name = "orders-eu"')
     mon = "Basic " + base64.b64encode(b"mon:mon-pw").decode()
     status, body = write(
         bs, 2, "PUT", "/api/users/evil", {"password": "x", "tags": "administrator"}, mon
@@ -200,6 +216,12 @@ def test_a_management_write_through_a_member_is_refused_without_rights_and_logge
     log = bs.wait_log(2, "user='mon'")
     assert "admin request refused" in log
     assert "mon-pw" not in log
+    # A name of its own from [cluster] name, given by every member, and renamed by none.
+    for n in (1, 2, 3):
+        assert api(bs, n, "/api/cluster-name") == (200, {"name": "orders-eu"})
+    status, body = write(bs, 3, "PUT", "/api/cluster-name", {"name": "other"})
+    assert status == 405 and "[cluster] name" in body["reason"], body
+    assert api(bs, 1, "/api/cluster-name") == (200, {"name": "orders-eu"})
 
 
 MONITOR_USER = """

@@ -33,10 +33,10 @@ IN_THE_FILE_AS = {
     (BrokerConfig, "users"): "[[users]]",
     (BrokerConfig, "policies"): "[[policies]]",
     (BrokerConfig, "upstreams"): "[[federation.upstreams]]",
+    (BrokerConfig, "cluster_name"): "name",  # [cluster] name
     # Set by the broker itself (server-properties, the members' URLs), not configurable.
     (BrokerConfig, "product"): None,
     (BrokerConfig, "version"): None,
-    (BrokerConfig, "cluster_name"): None,
     (BrokerConfig, "member_urls"): None,
     (BrokerConfig, "replicated"): None,  # whether [cluster] is there
     (User, "permissions"): "[[users.permissions]]",

@@ -184,3 +184,30 @@ def test_from_model_version_8_a_link_changes_only_x_received_from() -> None:
     start, end = fp.property_span(out, fp.FLAG_HEADERS)
     assert [k for k, _ in decode_table(out, start, end)[0]] == [RECEIVED_FROM]
     assert fp.parse_content_header(out, roundtrip=False).headers_span == (start, end)
+
+
+def test_hops_name_the_cluster_as_its_connection_start_does_and_queues_keep_their_name() -> None:
+    """Without a server id, a downstream pulling from this cluster writes the upstream's
+    connection.start ``cluster_name`` ([cluster] name) into ``x-received-from``: this cluster's
+    own hops and loop checks use that name too. Its queues upstream keep the group's name, so
+    that renaming the cluster leaves them where they are."""
+    from cpgbroker.runtime.federation import FederationLinks
+
+    def links(server_id: str, cluster_name: str) -> FederationLinks:
+        return FederationLinks(
+            1,
+            server_id,
+            server_id or "group",
+            None,  # type: ignore[arg-type]  # (not used before a link runs)
+            lambda: None,  # type: ignore[arg-type,return-value]
+            list,
+            lambda: False,
+            cluster_name=cluster_name,
+        )
+
+    named = links("", "prod-eu")
+    assert (named.name, named.hop_name) == ("group", "prod-eu")
+    assert queue_name(_link("x"), named.name) == queue_name(_link("x"), "group")
+    assert links("", "group").hop_name == "group"  # the default name: as before
+    with_id = links("east", "prod-eu")
+    assert (with_id.name, with_id.hop_name) == ("east", "east")

@@ -322,6 +322,12 @@ async def test_a_standalone_broker_answers_the_api_and_metrics(
         assert overview["object_totals"]["queues"] == 1
         assert overview["queue_totals"]["messages"] == 3
         assert [n["name"] for n in get("/api/nodes")] == [overview["node"]]
+        # A standalone broker is a cluster of one named after its node, as RabbitMQ's, and
+        # tells its clients so too.
+        assert overview["node"] == f"cpgbroker@{socket.gethostname()}"
+        assert get("/api/cluster-name") == {"name": overview["node"]}
+        assert overview["cluster_name"] == overview["node"]
+        assert conn._impl.server_properties["cluster_name"] == overview["node"]
         assert get("/api/whoami") == {"name": "guest", "tags": ["administrator"]}
         assert get("/api/health/checks/alarms") == {"status": "ok"}
         assert get("/api/aliveness-test/%2F") == {"status": "ok"}
@@ -357,6 +363,13 @@ async def test_a_standalone_broker_answers_the_api_and_metrics(
             for s in family.samples
         }
         assert samples[("rabbitmq_queue_messages_ready", "mgmt.q")] == 2
+        [identity] = [
+            s.labels
+            for family in text_string_to_metric_families(body.decode())
+            for s in family.samples
+            if s.name == "rabbitmq_identity_info"
+        ]
+        assert identity["rabbitmq_cluster"] == identity["rabbitmq_node"] == overview["node"]
         assert samples[("rabbitmq_queue_messages_unacked", "mgmt.q")] == 1
         assert samples[("rabbitmq_queue_consumers", "mgmt.q")] == 0
         assert samples[("rabbitmq_connections", "")] == 1
@@ -476,9 +489,43 @@ def test_the_older_node_health_check_and_the_cluster_name() -> None:
     assert api.get(["healthchecks", "node"], view, admin).body == {"status": "ok"}
     assert api.get(["healthchecks", "node", "cpgbroker@h"], view, admin).body == {"status": "ok"}
     assert api.get(["healthchecks", "node", "rabbit@x"], view, admin).status == 404
+    # A view given no cluster name answers its node's (a standalone broker's settings give it
+    # that: runtime/settings.py).
     assert api.get(["cluster-name"], view, admin).body == {"name": "cpgbroker@h"}
     overview = api.get(["overview"], view, admin).body
     assert overview["contexts"][0]["node"] == "cpgbroker@h"
+
+
+def test_every_member_answers_the_configured_cluster_name_with_or_without_a_replica() -> None:
+    """/api/cluster-name, /api/overview and rabbitmq_identity_info's rabbitmq_cluster give the
+    configuration's name (the same on every member), each member its own node name."""
+    from cpgbroker.runtime import metrics
+
+    api = mgmt_api.ManagementApi()
+    admin = Identity("admin", ("administrator",))
+    members = [
+        {"member": m, "url": f"amqp://10.0.0.{m}:5672/", "status": "ready"} for m in (1, 2, 3)
+    ]
+    for m, broker in ((1, Broker(BrokerConfig())), (2, Broker(BrokerConfig())), (3, None)):
+        status = {"state": "ready", "url": f"amqp://10.0.0.{m}:5672/", "members": members}
+        view = mgmt_json.cluster_view(status, broker, "h", "prod-eu")
+        assert api.get(["cluster-name"], view, admin) == mgmt_api.Answer(200, {"name": "prod-eu"})
+        overview = mgmt_json.overview_json(view, admin)
+        assert (overview["cluster_name"], overview["node"]) == (
+            "prod-eu",
+            f"cpgbroker@10.0.0.{m}:5672",
+        )
+        text = metrics.render(metrics.registry_for(lambda v=view: v)).decode()
+        [info] = [
+            s
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "rabbitmq_identity_info"
+        ]
+        assert info.labels == {
+            "rabbitmq_node": f"cpgbroker@10.0.0.{m}:5672",
+            "rabbitmq_cluster": "prod-eu",
+        }
 
 
 async def test_a_failing_route_answers_500_and_the_endpoint_lives_on(

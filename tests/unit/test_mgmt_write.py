@@ -291,3 +291,28 @@ def test_large_imports_travel_in_several_commands_in_order() -> None:
     assert got == [q["name"] for q in queues]
     user = commands[0].args["definitions"]["users"][0]
     assert "password" not in user and user["password_hash"]
+
+
+def test_renaming_the_cluster_is_refused_saying_the_name_is_the_configurations() -> None:
+    """RabbitMQ's ``PUT /api/cluster-name``: ours comes from ``[cluster] name``, which every
+    member must share, so no member may change it alone."""
+    from cpgbroker.model.broker import Broker
+    from cpgbroker.model.config import BrokerConfig
+    from cpgbroker.runtime.mgmt_api import Answer
+    from cpgbroker.runtime.mgmt_json import Identity, cluster_view
+
+    view = cluster_view({"state": "ready"}, Broker(BrokerConfig()), "h", "prod")
+
+    def put(identity: Identity, method: str = "PUT") -> Any:
+        return mgmt_write.command_for(
+            method, ["cluster-name"], b'{"name": "other"}', "", {}, identity, view
+        )
+
+    refused = put(Identity("admin", ("administrator",)))
+    assert refused == Answer(405, {"error": "Method Not Allowed", "reason": refused.body["reason"]})
+    assert "[cluster] name in cpgbroker.toml" in refused.body["reason"]
+    assert put(Identity("admin", ("administrator",)), "DELETE") == refused
+    # As RabbitMQ, only an administrator may ask at all.
+    assert put(Identity("ops", ("management",))) == Answer(
+        401, {"error": "not_authorised", "reason": "Not administrator user"}
+    )

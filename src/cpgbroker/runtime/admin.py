@@ -124,6 +124,7 @@ class AdminRoutes:
         replica: Callable[[], Broker | None] | None = None,
         users: tuple[User, ...] = (),
         command: Command | None = None,
+        cluster_name: str = "",
     ) -> None:
         self.status = status
         self.command = command
@@ -131,13 +132,15 @@ class AdminRoutes:
         self.secret = secret
         self.replica = replica
         self.users = users
+        # The configuration's (the same on every member), known before any replica is.
+        self.cluster_name = cluster_name
         self.host = socket.gethostname()
         self.api = mgmt_api.ManagementApi()
         self.registry = metrics.registry_for(self.view)
 
     def view(self) -> mgmt_json.ClusterView:
         broker = None if self.replica is None else self.replica()
-        return mgmt_json.cluster_view(self.status(False), broker, self.host)
+        return mgmt_json.cluster_view(self.status(False), broker, self.host, self.cluster_name)
 
     def _refused(self, req: Request, status: int, user: str = "", why: str = "") -> None:
         extra = f" user={user!r} reason={why!r}" if user or why else ""
@@ -275,12 +278,13 @@ async def serve_admin(
     replica: Callable[[], Broker | None] | None = None,
     users: tuple[User, ...] = (),
     command: Command | None = None,
+    cluster_name: str = "",
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     if not secret:
         # No default that opens the endpoint: the caller must have loaded or made a secret.
         raise ValueError("serve_admin needs the admin secret")
-    routes = AdminRoutes(status, control, secret, replica, users, command)
+    routes = AdminRoutes(status, control, secret, replica, users, command, cluster_name)
     host, port = parse_listen(addr)
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = listeners[0].socket.getsockname()

@@ -292,12 +292,19 @@ class FederationLinks:
         ready: Callable[[], list[int]],
         serving: Callable[[], bool],
         ssl_context: ssl.SSLContext | None = None,
+        cluster_name: str = "",
     ) -> None:
         self.member = member
         # [federation] server_id ("" for none: then no duplicate check), and this cluster's
-        # name in what its links make upstream (the server id, else its CPG group).
+        # name in the queues and announcements its links make upstream (the server id, else
+        # its CPG group).
         self.server_id = server_id
         self.name = name
+        # What x-received-from calls this cluster: the server id, else its cluster name, which
+        # it also tells clients in connection.start (so a downstream pulling from it writes the
+        # same, and a message that went round is known by either). Not ``name``, so that a
+        # renamed cluster keeps its queues upstream.
+        self.hop_name = server_id or cluster_name or name
         self._desk = desk
         self._replica = replica
         self._ready = ready
@@ -442,6 +449,7 @@ class FederationLinks:
                     f"duplicate server id '{theirs}': the upstream calls itself what this "
                     "cluster is called; fix [federation] server_id on one of them"
                 )
+            # Without a server id, its cluster name (a cpgbroker's: its [cluster] name).
             upstream_name = theirs or str(client.server_properties.get("cluster_name", ""))
             ch = await client.channel()
             up = link.upstream
@@ -554,7 +562,7 @@ class FederationLinks:
         state: LinkState,
         no_ack: bool,
     ) -> None:
-        our_id = self.name
+        our_id = self.hop_name
         hop = {
             "uri": redacted(uri),
             "exchange": link.upstream_exchange,
@@ -723,7 +731,7 @@ class FederationLinks:
         await ch.confirm_select()
         hop: dict[str, Any] = {
             "exchange": link.exchange,
-            "cluster-name": self.name,
+            "cluster-name": self.hop_name,
             "redelivered": False,
         }
         max_hops = link.upstream.max_hops

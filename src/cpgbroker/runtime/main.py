@@ -57,6 +57,7 @@ async def serve(
                     # The management API and /metrics read the model between events.
                     replica=lambda: None if standalone is None else standalone.broker,
                     users=config.broker.users,
+                    cluster_name=config.broker.cluster_name,
                     command=None if desk is None else desk.request,
                 ),
                 config.admin_listen,

@@ -152,6 +152,11 @@ def config_digest(config: ServerConfig) -> bytes:
     # The release a member names to its clients is its own, not the cluster's: hashed as
     # release 0.1.0 hashed its own, so that members of different releases compare equal.
     relevant["version"] = DIGEST_SERVER_VERSION
+    # The cluster's name must be one (a member naming it otherwise is refused), but release
+    # 0.1.0 had none and hashed "": the default, the group, hashes as that, so that members of
+    # both releases match; a name of its own is compared.
+    if b.cluster_name == config.cluster.group:
+        relevant["cluster_name"] = ""
     relevant["group"] = config.cluster.group
     # Checkpoints are voted on at the same events everywhere, or not at all.
     relevant["checkpoint_every"] = config.cluster.checkpoint_every
@@ -295,6 +300,7 @@ class ClusterNode:
             if shipping is None
             else (lambda: self.serving and self.stops.halted is None and shipping.active),
             client_context(config.tls),
+            cluster_name=config.broker.cluster_name,
         )
         if shipping is not None:
             # What held output and answers wait for, so that a batch asks to be reported.

@@ -52,7 +52,8 @@ class ReplicaCollector(Collector):
         info = InfoMetricFamily(
             "rabbitmq_identity", "The member and the cluster", labels=["rabbitmq_node"]
         )
-        info.add_metric([view.node], {"rabbitmq_cluster": _cluster_name(view)})
+        # One cluster label for every member (dashboards group their nodes by it).
+        info.add_metric([view.node], {"rabbitmq_cluster": view.cluster})
         yield info
         yield from _member_metrics(view)
         b = view.broker
@@ -141,12 +142,6 @@ class ReplicaCollector(Collector):
             b.config.high_watermark_bytes,
         )
         yield _gauge("cpgbroker_event_seq", "Events this member has applied", b.event_seq)
-
-
-def _cluster_name(view: ClusterView) -> str:
-    if view.broker is not None and view.broker.config.cluster_name:
-        return view.broker.config.cluster_name
-    return view.node
 
 
 def _member_metrics(view: ClusterView) -> Iterator[Metric]:

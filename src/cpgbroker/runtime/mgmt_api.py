@@ -544,7 +544,8 @@ class ManagementApi:
     def _cluster_name(self, rest: list[str], view: ClusterView, identity: Identity) -> Answer:
         if rest:
             return _not_found()
-        return Answer(200, {"name": overview_json(view, identity)["cluster_name"]})
+        # The configuration's: PUT is refused (runtime/mgmt_write.py).
+        return Answer(200, {"name": view.cluster})
 
     def _healthchecks_node(self, rest: list[str], view: ClusterView, identity: Identity) -> Answer:
         # RabbitMQ 3.10's older health check (``/api/healthchecks/node[/{node}]``): 200 either

@@ -69,6 +69,14 @@ class ClusterView:
     # This member's state name (``ready``, ``standalone``, ``updating``, ...).
     state: str
     status: dict[str, Any]
+    # The cluster's name (RabbitMQ's cluster_name: ``[cluster] name``, by default the CPG
+    # group), the same on every member, with or without a replica; "": this member's node name.
+    cluster_name: str = ""
+
+    @property
+    def cluster(self) -> str:
+        """What ``/api/cluster-name``, ``/api/overview`` and ``/metrics`` call the cluster."""
+        return self.cluster_name or self.node
 
     @property
     def serving(self) -> bool:
@@ -88,8 +96,11 @@ def node_name(url: str, fallback: str) -> str:
     return f"cpgbroker@{netloc.rpartition('@')[2] or fallback}"
 
 
-def cluster_view(status: dict[str, Any], broker: Broker | None, host: str) -> ClusterView:
-    """The view from a member's status (``cpgbroker status``'s JSON, without the digest)."""
+def cluster_view(
+    status: dict[str, Any], broker: Broker | None, host: str, cluster_name: str = ""
+) -> ClusterView:
+    """The view from a member's status (``cpgbroker status``'s JSON, without the digest) and
+    its configuration's cluster name."""
     state = str(status.get("state"))
     me = node_name(str(status.get("url") or ""), host)
     members = tuple(
@@ -105,7 +116,7 @@ def cluster_view(status: dict[str, Any], broker: Broker | None, host: str) -> Cl
         members = (
             MemberView(int(status.get("member") or 0), me, str(status.get("url") or ""), state),
         )
-    return ClusterView(broker, me, members, state, status)
+    return ClusterView(broker, me, members, state, status, cluster_name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,7 +411,7 @@ def overview_json(view: ClusterView, identity: Identity) -> dict[str, Any]:
         "rabbitmq_version": version,
         "product_name": "cpgbroker",
         "product_version": version,
-        "cluster_name": view.node,
+        "cluster_name": view.cluster,
         "node": view.node,
         "listeners": [],
         # The management listener (what a client of the API reads its node name from).
@@ -436,8 +447,6 @@ def overview_json(view: ClusterView, identity: Identity) -> dict[str, Any]:
     b = view.broker
     if b is None:
         return out
-    if b.config.cluster_name:
-        out["cluster_name"] = b.config.cluster_name
     vhs = visible_vhosts(b, identity)
     queues = [q for vh in vhs for q in vh.queues.values()]
     ready = sum(len(q.messages) for q in queues)

@@ -32,6 +32,12 @@ from cpgbroker.runtime.mgmt_api import SECRET_HOLDER, Answer, flag_version
 from cpgbroker.runtime.mgmt_json import ADMIN_TAGS, ClusterView, Identity, connection_name
 
 POLICY_TAGS = ("administrator", "policymaker")
+# Why ``PUT /api/cluster-name`` is refused.
+CLUSTER_NAME_FIXED = (
+    "the cluster name comes from the configuration ([cluster] name in cpgbroker.toml, the same "
+    "on every member; a standalone broker's is its node name) and cannot be changed through "
+    "the API"
+)
 # Definitions larger than this travel as several commands (each one CPG event): a batch of
 # client events is at most 512 KiB, and one command should fit one.
 IMPORT_CHUNK_BYTES = 256 * 1024
@@ -212,6 +218,13 @@ def command_for(
         if not admin:
             return not_admin
         return import_commands(body, rest[0] if rest else None, who)
+    elif head == "cluster-name" and not rest:
+        # RabbitMQ renames its cluster at runtime. Ours is the configuration's, which every
+        # member must share (compared when one joins): a name set here would be forgotten at
+        # the next start, and a member started afterwards would answer the file's.
+        if not admin:
+            return not_admin
+        return Answer(405, {"error": "Method Not Allowed", "reason": CLUSTER_NAME_FIXED})
     else:
         return _not_found()
     return Answer(405, {"error": "Method Not Allowed", "reason": f"{method} {'/'.join(parts)}"})

@@ -325,6 +325,7 @@ class MemberProcess:
                         ssl_context=admin.admin_ssl_context(config),
                         replica=self.replica,
                         users=config.broker.users,
+                        cluster_name=config.broker.cluster_name,
                         command=self.admin_command,
                     ),
                     config.admin_listen,

@@ -3,6 +3,7 @@ logging, cluster membership). See ``configs/cpgbroker.toml`` for every key, comm
 
 from __future__ import annotations
 
+import socket
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -304,6 +305,7 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             server_id=server_id,
             upstreams=upstreams,
             replicated="cluster" in data,
+            cluster_name=_cluster_name(data.get("cluster")),
             **_limit_values(limits),
         )
     except TypeError as e:
@@ -343,6 +345,7 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
             parse_listen(cluster.update_listen)
         known_keys = (
             "group",
+            "name",
             "size",
             "url",
             "event_log",
@@ -457,6 +460,30 @@ _STORE_KEYS = (
     "free_disk_limit_mib",
     "recover_with",
 )
+
+
+def standalone_name() -> str:
+    """A standalone broker's cluster name: its node name as the management API gives it
+    (runtime/mgmt_json.py ``node_name`` without a member URL), as RabbitMQ names a cluster of
+    one node after that node (``rabbit@host``). Distinct per machine, so that dashboards
+    grouping by cluster do not merge separate brokers."""
+    return f"cpgbroker@{socket.gethostname()}"
+
+
+def _cluster_name(c: Any) -> str:
+    """``[cluster] name``: what the management API, ``/metrics`` and connection.start call the
+    cluster (RabbitMQ's ``cluster_name``); the standalone name without ``[cluster]``."""
+    if c is None:
+        return standalone_name()
+    group = _req(c, "group", "cluster")
+    # The CPG group by default: every member of one cluster already shares it (they could not
+    # form one otherwise), it is stable across restarts, and it is what the cluster's
+    # federation links call it upstream without a server id; so an existing cluster is named
+    # alike by every member without a new key in any file.
+    name = c.get("name", group)
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError("cluster.name must be a non-empty string")
+    return name
 
 
 def _store(d: dict[str, Any]) -> StoreSettings | None:
