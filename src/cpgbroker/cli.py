@@ -102,7 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         help="a node: its name and the address corosync and clients use (repeat per node)",
     )
     init.add_argument("--out", required=True, help="directory to write into (must not hold them)")
-    init.add_argument("--name", default="cpgbroker", help="corosync cluster_name")
+    init.add_argument(
+        "--name",
+        default="cpgbroker",
+        help="the cluster's name: corosync's cluster_name and [cluster] name (what clients, "
+        "the management API and /metrics see)",
+    )
     init.add_argument("--group", default="cpgbroker", help="CPG group of the members")
     init.add_argument("--user", default="admin", help="the AMQP user to create")
     init.add_argument("--amqp-port", type=int, default=5672)

@@ -56,6 +56,7 @@ def test_three_nodes_get_an_encrypted_ring_a_shared_key_and_their_own_member_con
     configs = {n: settings.load(str(c / n / "cpgbroker.toml")) for n in ("n1", "n2", "n3")}
     for name, cfg in configs.items():
         assert cfg.cluster is not None and cfg.cluster.size == 3
+        assert cfg.broker.cluster_name == "cpgbroker"  # one name, answered by every member
         assert cfg.cluster.url == f"amqp://10.0.0.1{name[1]}:5672/"
         assert cfg.listen == (f"10.0.0.1{name[1]}:5672",)
         assert cfg.admin_listen == "127.0.0.1:15672"

@@ -255,6 +255,8 @@ vhosts = ["/"]
 tags = ["administrator"]
 
 [cluster]
+# What clients, the management API and /metrics call the cluster (the same on every member).
+name = "{opts.cluster_name}"
 group = "{opts.group}"
 size = {len(opts.nodes)}
 # Handed to clients for failover (connection.start's cluster_members, amq.failover).
