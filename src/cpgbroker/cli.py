@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from typing import TYPE_CHECKING
 
@@ -15,6 +17,22 @@ DEFAULT_CONFIG = "/etc/cpgbroker/cpgbroker.toml"
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            # Inside the try: the flush at exit would fail outside it, with a traceback.
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`cpgbroker status | head -1`): nothing more to say. The rest
+        # of the output goes to devnull, so the interpreter's own flush at exit cannot fail.
+        # Exit 128 + SIGPIPE (141), the status a shell shows for git and coreutils, which die
+        # of SIGPIPE there: `set -o pipefail` scripts see what they see for any other tool.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "devcluster":
         from cpgbroker.dev import cli as devcluster_cli

@@ -172,7 +172,9 @@ async def test_a_standalone_broker_generates_its_secret_and_the_cli_uses_it(
             nursery.cancel_scope.cancel()
 
 
-async def test_the_admin_endpoint_over_https_with_the_cli_verifying_it(tmp_path: Path) -> None:
+async def test_the_admin_endpoint_over_https_with_the_cli_verifying_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     import trustme
 
     from cpgbroker.runtime import main as runtime_main
@@ -196,6 +198,7 @@ async def test_the_admin_endpoint_over_https_with_the_cli_verifying_it(tmp_path:
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return status_cli(tmp_path, "--json", *args)
 
+    caplog.set_level(logging.INFO, logger="cpgbroker.admin")
     secret_file = str(tmp_path / "admin.secret")
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
@@ -220,3 +223,6 @@ async def test_the_admin_endpoint_over_https_with_the_cli_verifying_it(tmp_path:
             )
             assert out.returncode == 1 and "cannot reach" in out.stderr
             nursery.cancel_scope.cancel()
+    # The member logs both refused handshakes as it logs refused requests: at warning.
+    refused = [r for r in caplog.records if "admin TLS handshake failed" in r.getMessage()]
+    assert len(refused) == 2 and {r.levelno for r in refused} == {logging.WARNING}

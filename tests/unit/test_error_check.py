@@ -227,9 +227,9 @@ async def test_cluster_stop_halts_every_member_at_the_same_event() -> None:
         with trio.fail_after(5):
             await a.finish_stop()
         closes = [m for m in client.methods() if isinstance(m, commands.Connection.Close)]
-        assert (
-            closes and closes[-1].reply_code == 320 and "cluster shutdown" in closes[-1].reply_text
-        )
+        assert closes and closes[-1].reply_code == 320
+        # Every member stops: the client is not sent to another one.
+        assert closes[-1].reply_text == "CONNECTION_FORCED - cluster shutdown"
         queued = len(a.broker.vhosts["/"].queues["q"].messages)
         assert confirmed(client) == queued, "every publish before the stop point is confirmed"
         nursery.cancel_scope.cancel()
@@ -239,9 +239,18 @@ async def test_member_stop_stops_only_that_member() -> None:
     async with trio.open_nursery() as nursery:
         nodes, _cpgs = await start(nursery, 3)
         a, b, c = nodes
+        client = await open_confirm_channel(c)
         seq = await a.request_stop(c.member)
         await until(lambda: c.stop_requested.is_set())
         assert c.halted == seq and a.halted is None and b.halted is None
+        with trio.fail_after(5):
+            await c.finish_stop()
+        # The others serve on: the client is sent to them.
+        closes = [m for m in client.methods() if isinstance(m, commands.Connection.Close)]
+        assert closes and closes[-1].reply_code == 320
+        assert closes[-1].reply_text == (
+            "CONNECTION_FORCED - member stopped by an operator: use another member"
+        )
         with pytest.raises(Exception, match="no serving member"):
             await a.request_stop(12345)
         nursery.cancel_scope.cancel()

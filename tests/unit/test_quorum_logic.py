@@ -124,12 +124,29 @@ def test_after_a_cluster_wide_quorum_loss_the_newest_kept_state_resumes() -> Non
         actions = rejoin(me, kept)
         assert len(actions) == 1 and isinstance(actions[0], NeedUpdate)
         assert "member 2 resumes" in actions[0].reason
+        # Member 3 holds more events than member 2, of an earlier epoch: the log says so.
+        assert "is of an earlier history epoch and is replaced" in actions[0].reason
+
+
+def reason(actions: list[object]) -> str:
+    (need,) = actions
+    assert isinstance(need, NeedUpdate)
+    return need.reason
 
 
 def test_kept_states_tie_on_ring_then_events_then_lowest_id() -> None:
     assert isinstance(rejoin(3, {1: (13, 5), 3: (13, 6)})[0], ResumeState)
     assert isinstance(rejoin(1, {1: (13, 6), 3: (13, 6)})[0], ResumeState)
     assert isinstance(rejoin(3, {1: (13, 6), 3: (13, 6)})[0], NeedUpdate)
+    # Why the member takes an update is said truly: an equal state is not called older.
+    assert reason(rejoin(3, {1: (13, 6), 3: (13, 6)})).endswith(
+        "its own kept state (epoch 13, event 6) is just as fresh (of equals the lowest member "
+        "id resumes) and is replaced"
+    )
+    assert reason(rejoin(1, {1: (13, 5), 3: (13, 6)})).endswith(
+        "its own kept state (epoch 13, event 5) is older and is replaced"
+    )
+    assert reason(rejoin(2, {1: (13, 5), 3: (13, 6)})).endswith("it has no kept state")
 
 
 def test_members_that_take_an_update_from_the_resumer_wait_for_it() -> None:

@@ -3,6 +3,7 @@ rebuilds exactly the model the member had there (docs/operations.md, "The store"
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 
@@ -103,6 +104,31 @@ def test_recovery_rebuilds_the_model_of_the_last_synced_event() -> None:
     assert rec is not None and rec.clean
     assert rec.seq == len(events)
     assert snapshot.digest(rec.broker) == snapshot.digest(b)
+
+
+def test_a_member_that_stops_before_applying_anything_says_what_its_store_holds(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    events = generate(4)
+    disk = SimDisk()
+    store = _store(disk)
+    _open(store)
+    b = Broker()
+    _feed(store, b, events)
+    store.close(clean=True, last_seq=b.event_seq)
+    # Restarted: it recovers its store, then stops while it waits for the other members,
+    # having applied nothing (the member's own model is still the empty one: event 0).
+    again = _store(disk)
+    rec = again.recover(b.config)
+    assert rec is not None and rec.seq == len(events)
+    _open(again, rec.seq + 1)
+    with caplog.at_level(logging.INFO, "cpgbroker.store"):
+        again.close(clean=True, last_seq=0)
+    assert f"store closed cleanly at event {len(events)}" in caplog.messages
+    m = meta.load(disk, DIR)
+    assert m is not None and m.state == meta.CLEAN and m.last_seq == len(events)
+    rec = _store(disk).recover(b.config)
+    assert rec is not None and rec.clean and rec.seq == len(events)
 
 
 def test_snapshots_bound_the_journal_and_recovery_starts_from_the_newest() -> None:
@@ -215,7 +241,9 @@ def test_a_store_of_another_cluster_is_never_recovered() -> None:
         _store(disk, group="cluster-b").recover(Broker().config)
 
 
-def test_a_store_being_replaced_recovers_nothing_until_its_new_base_is_durable() -> None:
+def test_a_store_being_replaced_recovers_nothing_until_its_new_base_is_durable(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     events = generate(11, steps=100)
     disk = SimDisk()
     store = _store(disk)
@@ -228,8 +256,14 @@ def test_a_store_being_replaced_recovers_nothing_until_its_new_base_is_durable()
         installed.apply(ev)
     m = meta.load(disk, DIR)
     assert m is not None and m.state == meta.SERVING
-    store.replace(installed)  # fork=None: the snapshot is written inline
+    with caplog.at_level(logging.INFO, "cpgbroker.store"):
+        store.replace(installed)  # fork=None: the snapshot is written inline
     assert store.durable == 80 and not store.replacing
+    # The event the store held (its base is still the empty state: event 0).
+    assert (
+        f"replacing the store at {DIR} (epoch 1, holding event 50) with the state of event 80"
+        in caplog.messages
+    )
     m = meta.load(disk, DIR)
     assert m is not None and m.base_seq == 80
     _feed(store, installed, events[80:])

@@ -255,6 +255,8 @@ async def test_handshake_timeout_and_failure_are_logged(
         assert await tls_handshake(stream, cfg, "peer-a") is None
     assert 0.25 < time.monotonic() - t0 < 3
     assert "handshake timed out" in caplog.text
+    # Refused, as a client whose login fails is: logged at the same level (warning).
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
     silent.close()
 
     # A client that trusts another CA: refused, with OpenSSL's reason in the log.
@@ -274,3 +276,4 @@ async def test_handshake_timeout_and_failure_are_logged(
             assert await tls_handshake(stream, cfg, "peer-b") is None
     assert "tls handshake failed peer=peer-b" in caplog.text
     assert "timed out" not in caplog.text
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]

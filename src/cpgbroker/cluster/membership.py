@@ -395,12 +395,20 @@ class Membership:
                 ]
             self.state = NEEDS_UPDATE
             mine = self.members[self.me]
-            own = (
-                f"its own kept state (epoch {mine.recover_epoch}, event {mine.recover_seq}) is "
-                "older and is replaced"
-                if mine.recover_epoch
-                else "it has no kept state"
-            )
+            kept = f"its own kept state (epoch {mine.recover_epoch}, event {mine.recover_seq})"
+            if not mine.recover_epoch:
+                own = "it has no kept state"
+            elif (mine.recover_epoch, mine.recover_seq) == (best.recover_epoch, best.recover_seq):
+                # Not older: the same point of the same history; of equals, the lowest id resumes.
+                own = (
+                    f"{kept} is just as fresh (of equals the lowest member id resumes) and is "
+                    "replaced"
+                )
+            elif mine.recover_epoch < best.recover_epoch:
+                # It may hold more events, but of a history a forced boot left behind.
+                own = f"{kept} is of an earlier history epoch and is replaced"
+            else:
+                own = f"{kept} is older and is replaced"
             return [
                 NeedUpdate(
                     f"member {best.member} resumes the freshest kept state (epoch "

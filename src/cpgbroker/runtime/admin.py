@@ -314,7 +314,8 @@ async def serve_admin(
             # speaks plain HTTP to an https endpoint): worth a line, not a traceback.
             if isinstance(e.__cause__, ssl.SSLError):
                 why = e.__cause__.reason or e.__cause__
-                log.info("admin TLS handshake failed peer=%s reason=%s", peer, why)
+                # Refused, as a request without the secret is: at the same level.
+                log.warning("admin TLS handshake failed peer=%s reason=%s", peer, why)
         except trio.ClosedResourceError:
             pass
         finally:

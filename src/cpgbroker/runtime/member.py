@@ -1084,7 +1084,8 @@ class ClusterNode:
             # records for messages it does not have (model/replica.py).
             broker.replication.catching_up = True
         if self.store is not None:
-            # Whatever the store held is older than what the cluster serves: replaced.
+            # Whatever the store held (older, or as fresh as the resumed member's state) is
+            # replaced by what the cluster serves.
             self.store.replace(broker)
         self.membership.adopt(members)
         self.progress.estimate(self.membership.ready_members, broker.event_seq)
@@ -1135,7 +1136,10 @@ class ClusterNode:
                 await self.multicast.wait_progress()
         self._release_stable()
         text = self.stops.client_text()
-        self.io.force_close(f"{text}: use another member", text)
+        # A cluster stop stops every member: there is no other member to send the clients to.
+        self.io.force_close(
+            text if self.stops.scope == "cluster" else f"{text}: use another member", text
+        )
 
     # ------------------------------------------------------------------ time and status
 

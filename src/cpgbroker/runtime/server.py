@@ -525,7 +525,9 @@ async def tls_handshake(stream: TlsStream, cfg: TlsConfig, peer: str) -> str | N
                 or "connection closed during the handshake"
             )
     if why:
-        log.info("tls handshake failed peer=%s reason=%r", peer, why)
+        # A refused client, as a refused login is (warning): an expired certificate or an
+        # untrusted CA must stand out in the log, not hide among accepted connections.
+        log.warning("tls handshake failed peer=%s reason=%r", peer, why)
         await trio.aclose_forcefully(stream)
         return None
     try:

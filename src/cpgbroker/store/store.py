@@ -398,11 +398,12 @@ class Store:
         starts afresh after it; the store vouches for nothing until the snapshot of this
         state is durable."""
         seq = broker.event_seq
+        # The event it holds, not its base: a store without a snapshot has base event 0.
         log.info(
-            "replacing the store at %s (epoch %d, base event %d) with the state update's event %d",
+            "replacing the store at %s (epoch %d, holding event %d) with the state of event %d",
             self.dir,
             self.epoch,
-            self.base_seq,
+            self.next_seq - 1,
             seq,
         )
         self.replacing = True
@@ -480,7 +481,8 @@ class Store:
 
     def close(self, clean: bool, last_seq: int) -> None:
         """Stop journaling; with ``clean`` (a stop, not a failure) wait for everything to be
-        on disk and mark the store clean."""
+        on disk and mark the store clean. ``last_seq``: the last event the member applied,
+        which the store must hold."""
         syncer, self.syncer = self.syncer, None
         if syncer is None:
             return
@@ -488,8 +490,12 @@ class Store:
             syncer.barrier()
         syncer.close()
         if clean and self.failed is None and not self.replacing and self._synced >= last_seq:
-            self._save_meta(meta.CLEAN, last_seq)
-            log.info("store closed cleanly at event %d", last_seq)
+            # What the store holds, not what the caller applied: a member stopped before it
+            # applied anything after recovery (waiting for the others to come back) passes 0
+            # while its store holds every event it recovered.
+            held = self._synced
+            self._save_meta(meta.CLEAN, held)
+            log.info("store closed cleanly at event %d", held)
 
     def set_model_version(self, version: int) -> None:
         """What this member applies runs model ``version`` from the next event on: said in
