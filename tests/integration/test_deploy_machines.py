@@ -244,6 +244,14 @@ def test_three_provisioned_machines_serve_amqps_with_failover_and_keep_out_anoth
         other.cert_pem.write_to_path(str(tmp_path / "other-ca.pem"))
         with pytest.raises((pika.exceptions.AMQPConnectionError, ssl.SSLError)):
             pika.BlockingConnection(m.params(m.urls()[1:2], m.context(tmp_path / "other-ca.pem")))
+        # The member says so, at the level of a refused login.
+        deadline = time.monotonic() + 10
+        while not any(
+            "level=warning" in line and "tls handshake failed" in line
+            for line in m.log(2).splitlines()
+        ):
+            assert time.monotonic() < deadline, m.log(2)
+            time.sleep(0.1)
         conn = pika.BlockingConnection(m.params(m.urls()))
         # The failover list each member hands out: every member's amqps URL.
         props = conn._impl.server_properties
