@@ -132,11 +132,11 @@ def run_ours_standalone(shared: Path, secs: float) -> dict[str, Any]:
 
 # Where a member's CPU goes, by the innermost frame that belongs to one of these.
 CATEGORIES = (
-    ("cpg", ("cpgbroker/cpg.py", "cpgbroker/runtime/cpg_trio.py", "_cpg")),
+    ("cpg", ("cpgbroker/cpg.py", "cpgbroker/runtime/member/cpg_trio.py", "_cpg")),
     ("decode_encode", ("cpgbroker/wire/", "pamqp/", "cpgbroker/cluster/codec.py")),
     ("model", ("cpgbroker/model/",)),
-    ("cluster_logic", ("cpgbroker/cluster/", "cpgbroker/runtime/member.py")),
-    ("io_runtime", ("trio/", "cpgbroker/runtime/server.py", "socket", "selectors")),
+    ("cluster_logic", ("cpgbroker/cluster/", "cpgbroker/runtime/member/member.py")),
+    ("io_runtime", ("trio/", "cpgbroker/runtime/amqp/server.py", "socket", "selectors")),
 )
 
 

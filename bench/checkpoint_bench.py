@@ -22,7 +22,7 @@ from pamqp import commands, frame, header
 from cpgbroker.model import snapshot
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.events import ClientConnected, ClientData
-from cpgbroker.runtime import update
+from cpgbroker.runtime.update import transfer as update
 from cpgbroker.wire.framer import PROTOCOL_HEADER
 
 

@@ -358,7 +358,7 @@ def http(base: str, secret: str, method: str, path: str, body: Any = None) -> tu
 def run_cpgbroker(args: argparse.Namespace, load: Load) -> dict[str, Any]:
     from cpgbroker.dev.brokers import BrokerSet
     from cpgbroker.dev.cluster import DevCluster
-    from cpgbroker.runtime import secret as admin_secret
+    from cpgbroker.runtime.admin import secret as admin_secret
 
     tag = os.getpid() % 100000
     sets: dict[str, Any] = {}

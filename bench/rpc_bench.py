@@ -110,7 +110,7 @@ def cluster(calls: int) -> dict[str, Any]:
         brokers.start_all()
         try:
             # Replicated (the member's AMQP port), then member-local (its local_listen port:
-            # runtime/localbroker.py), on the same member of the same cluster.
+            # runtime/amqp/localbroker.py), on the same member of the same cluster.
             return {
                 "replicated": measure(brokers.url(1), calls),
                 "member_local": measure(brokers.local_url(1), calls),

@@ -57,7 +57,7 @@ from cpgbroker.model.events import (  # noqa: E402
     Event,
 )
 from cpgbroker.model.shipping import Shipper, messages  # noqa: E402
-from cpgbroker.runtime.shipping import Shipping  # noqa: E402
+from cpgbroker.runtime.replication.shipping import Shipping  # noqa: E402
 from modelclient import Harness  # noqa: E402
 
 

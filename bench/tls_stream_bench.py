@@ -27,7 +27,7 @@ from typing import Any
 
 import trio
 
-from cpgbroker.runtime.tls import TlsConfig, TlsStream, server_context
+from cpgbroker.runtime.config.tls import TlsConfig, TlsStream, server_context
 
 
 def make_certs(directory: Path) -> tuple[str, str]:

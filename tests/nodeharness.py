@@ -15,9 +15,9 @@ from pamqp import commands, frame
 from cpgbroker.corosync.events import ConfChg, Member, MemberChange, Reason
 from cpgbroker.errors import ClusterError
 from cpgbroker.model.events import ClientConnected, ClientData
-from cpgbroker.runtime.member import ClusterNode, member_id
-from cpgbroker.runtime.server import LocalConn
-from cpgbroker.runtime.settings import ClusterConfig, ServerConfig
+from cpgbroker.runtime.amqp.server import LocalConn
+from cpgbroker.runtime.config.settings import ClusterConfig, ServerConfig
+from cpgbroker.runtime.member.member import ClusterNode, member_id
 from cpgbroker.wire.framer import PROTOCOL_HEADER
 from fakecpg import Bus, FakeCpg
 

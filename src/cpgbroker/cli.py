@@ -9,7 +9,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from cpgbroker.runtime.adminclient import AdminTarget
+    from cpgbroker.runtime.admin.adminclient import AdminTarget
 
 
 # Where a deployment keeps the member's configuration (``cluster init``, the systemd unit).
@@ -216,7 +216,7 @@ def _main(argv: list[str] | None) -> int:
     else:
         ns = parser.parse_args(args)
     if ns.command == "start":
-        from cpgbroker.runtime import main as runtime_main
+        from cpgbroker.runtime.process import main as runtime_main
 
         return runtime_main.main(config_path=ns.config, listen=ns.listen, force_boot=ns.force_boot)
     if ns.command == "hash-password":
@@ -226,7 +226,7 @@ def _main(argv: list[str] | None) -> int:
     if ns.command == "cluster" and ns.action == "certs":
         return _cluster_certs(ns)
     if ns.command == "ctl" and (not ns.ctl_args or ns.ctl_args[0] in ("help", "-h", "--help")):
-        from cpgbroker.runtime import ctl as ctl_commands
+        from cpgbroker.runtime.admin import ctl as ctl_commands
 
         ctl_commands.parser().print_help()
         return 0
@@ -241,7 +241,7 @@ def _main(argv: list[str] | None) -> int:
         if ns.command == "status":
             return _status(target, ns.json)
         if ns.command == "ctl":
-            from cpgbroker.runtime import ctl as ctl_commands
+            from cpgbroker.runtime.admin import ctl as ctl_commands
 
             return ctl_commands.run(target, ns.ctl_args)
         if ns.command == "cluster" and ns.action == "upgrade-finish":
@@ -272,7 +272,7 @@ def _admin_options(args: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _admin_target(ns: argparse.Namespace) -> AdminTarget:
-    from cpgbroker.runtime import adminclient
+    from cpgbroker.runtime.admin import adminclient
 
     return adminclient.target(
         url=ns.url,
@@ -360,7 +360,7 @@ def _stop(target: AdminTarget, member: int, timeout: float) -> int:
     order it took effect. For a cluster stop, then wait until that member has stopped."""
     import time
 
-    from cpgbroker.runtime.adminclient import request
+    from cpgbroker.runtime.admin.adminclient import request
 
     base = target.base
     try:
@@ -397,7 +397,7 @@ def _version_text() -> str:
 def _upgrade_finish(target: AdminTarget, version: int | None) -> int:
     """POST /upgrade-finish: the cluster moves up at one event, if every member applies the
     version (the answer says which member does not)."""
-    from cpgbroker.runtime.adminclient import request
+    from cpgbroker.runtime.admin.adminclient import request
 
     try:
         http, answer = request(
@@ -438,7 +438,7 @@ def _hash_password() -> int:
 def _status(target: AdminTarget, as_json: bool) -> int:
     import json
 
-    from cpgbroker.runtime.adminclient import request
+    from cpgbroker.runtime.admin.adminclient import request
 
     try:
         http, data = request(target, "GET", "/status", timeout=5)

@@ -259,8 +259,8 @@ def _connect(port: int, user: str, vhost: str) -> pika.BlockingConnection:
 async def _cpgbroker(workdir: Path, users: str = "") -> AsyncIterator[tuple[Api, int]]:
     """A standalone cpgbroker in this process with its management API on a port of its own,
     guest and ``users`` (TOML) configured: (its API as guest, its AMQP port)."""
-    from cpgbroker.runtime import main as runtime_main
-    from cpgbroker.runtime import settings
+    from cpgbroker.runtime.config import settings
+    from cpgbroker.runtime.process import main as runtime_main
 
     workdir.mkdir()
     admin_port = _free_port()

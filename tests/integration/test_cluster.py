@@ -25,7 +25,7 @@ from brokerclients import connect, drain, queues
 
 from cpgbroker.dev.brokers import BrokerSet
 from cpgbroker.dev.cluster import DevCluster
-from cpgbroker.runtime import adminclient
+from cpgbroker.runtime.admin import adminclient
 
 pytestmark = pytest.mark.integration
 

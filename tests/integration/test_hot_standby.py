@@ -1,7 +1,7 @@
 """Hot standby on real corosync with real clients (pika): only the primary (the member that has
 served longest) takes clients, the backups turn them away naming it, and when the primary is
 killed the next one takes over without losing a confirmed message; the old primary, restarted,
-is a backup (runtime/standby.py)."""
+is a backup (runtime/replication/standby.py)."""
 
 from __future__ import annotations
 
@@ -227,7 +227,8 @@ def test_shipping_changes_a_backup_catches_up_from_the_back_while_a_consumer_eat
     ch.confirm_delivery()  # the publishes before it are applied once this is answered
     conn.close()
     # ... by the primary's serving broker; its replica, which the status reads, has them
-    # once their batch is cut: a batch no confirm waits for lingers (runtime/shipping.py).
+    # once their batch is cut: a batch no confirm waits for lingers
+    # (runtime/replication/shipping.py).
     deadline = time.monotonic() + 10
     while (depth := ready(bs, primary, "deep")) != total and time.monotonic() < deadline:
         time.sleep(0.05)

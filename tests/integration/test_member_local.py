@@ -1,6 +1,6 @@
 """Member-local connections on real corosync with real clients (pika): what clients do on a
 member's ``local_listen`` port never crosses CPG, its queues live and die with that member, and
-the replicated queues beside them are untouched (runtime/localbroker.py)."""
+the replicated queues beside them are untouched (runtime/amqp/localbroker.py)."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ def test_every_event_is_encoded_as_each_older_release_encodes_it(
         assert not differ, f"release {version} encodes differently: {differ[:3]}"
 
 
-# Configurations whose digest members compare when one joins (runtime/member.py): the same
+# Configurations whose digest members compare when one joins (runtime/member/member.py): the same
 # file must hash alike under every release that may share a cluster with ours.
 CONFIGS = [
     '[cluster]\ngroup = "g"\nsize = 3\nurl = "amqp://10.0.0.1:5672/"\n',
@@ -49,8 +49,14 @@ CONFIGS = [
     '[cluster]\ngroup = "h"\nsize = 2\nurl = "amqp://h:5672/"\n[limits]\nchannel_max = 9\n'
     '[[users]]\nname = "ann"\npassword = "pw"\ntags = ["administrator"]\n',
 ]
+# The modules' paths since the runtime's wings, and before them (0.1.0).
 DIGEST = (
-    "import sys; from cpgbroker.runtime import settings, member; "
+    "import sys\n"
+    "try:\n"
+    "    from cpgbroker.runtime.config import settings\n"
+    "    from cpgbroker.runtime.member import member\n"
+    "except ModuleNotFoundError:\n"
+    "    from cpgbroker.runtime import settings, member\n"
     "print(member.config_digest(settings.load(sys.argv[1])).hex())"
 )
 

@@ -1,6 +1,6 @@
 """The watchdog on a real 3-node corosync cluster: an event every member is slow in is not a
 hang (no member is killed, the cluster serves on), a member stopped alone is still killed by
-its own watchdog, also in the middle of such an event (runtime/watchdog.py, "Slow events are
+its own watchdog, also in the middle of such an event (runtime/member/watchdog.py, "Slow events are
 not hangs").
 
 The slow event is the ``slow-apply`` fault, injected through every member's status endpoint at

@@ -8,7 +8,7 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpgbroker.runtime import httpserve
+from cpgbroker.runtime.mgmt import httpserve
 
 VALID = (
     b"GET /status HTTP/1.1\r\nHost: x\r\n\r\n",

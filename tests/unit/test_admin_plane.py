@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from cpgbroker.errors import ConfigError
-from cpgbroker.runtime import admin, secret
+from cpgbroker.runtime.admin import admin, secret
 
 
 def free_port() -> int:
@@ -145,8 +145,8 @@ def test_the_cli_says_where_the_secret_is_missing(tmp_path: Path) -> None:
 async def test_a_standalone_broker_generates_its_secret_and_the_cli_uses_it(
     tmp_path: Path,
 ) -> None:
-    from cpgbroker.runtime import main as runtime_main
-    from cpgbroker.runtime import settings
+    from cpgbroker.runtime.config import settings
+    from cpgbroker.runtime.process import main as runtime_main
 
     port = free_port()
     path = tmp_path / "admin.secret"
@@ -177,8 +177,8 @@ async def test_the_admin_endpoint_over_https_with_the_cli_verifying_it(
 ) -> None:
     import trustme
 
-    from cpgbroker.runtime import main as runtime_main
-    from cpgbroker.runtime import settings
+    from cpgbroker.runtime.config import settings
+    from cpgbroker.runtime.process import main as runtime_main
 
     ca = trustme.CA()
     cert = ca.issue_cert("127.0.0.1")

@@ -1,4 +1,4 @@
-"""The AMQP client that members use to link clusters (runtime/amqpclient.py): its sans-IO
+"""The AMQP client that members use to link clusters (runtime/federation/amqpclient.py): its sans-IO
 protocol fed bytes (handshake, frames cut across reads, content reassembly, confirms), then
 the trio client against a real standalone broker in this process."""
 
@@ -22,8 +22,8 @@ from pamqp.header import ContentHeader
 
 import tlscerts
 from cpgbroker.errors import ConfigError
-from cpgbroker.runtime.amqpclient import AmqpClient
-from cpgbroker.runtime.amqpproto import (
+from cpgbroker.runtime.federation.amqpclient import AmqpClient
+from cpgbroker.runtime.federation.amqpproto import (
     AmqpClientError,
     AmqpUrl,
     CancelReceived,
@@ -367,8 +367,8 @@ async def standalone(
 ) -> AsyncIterator[tuple[int, trio.CancelScope]]:
     """A standalone broker in this process: its (first plain) port, and the scope that stops
     it."""
-    from cpgbroker.runtime import main as runtime_main
-    from cpgbroker.runtime import settings
+    from cpgbroker.runtime.config import settings
+    from cpgbroker.runtime.process import main as runtime_main
 
     toml = tmp_path / "cpgbroker.toml"
     toml.write_text(f"[server]\n{listen}\n{extra}")
@@ -619,7 +619,7 @@ async def test_amqps(tmp_path: Path) -> None:
 async def test_a_no_ack_consumer_that_falls_behind_stops_the_reading_not_the_connection(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cpgbroker.runtime import amqpclient
+    from cpgbroker.runtime.federation import amqpclient
 
     monkeypatch.setattr(amqpclient, "NO_ACK_HIGH_WATER", 1 << 20)
     monkeypatch.setattr(amqpclient, "NO_ACK_LOW_WATER", 256 << 10)

@@ -15,7 +15,7 @@ from cpgbroker.model import auth
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.config import BrokerConfig, User
 from cpgbroker.model.events import LoginRefused
-from cpgbroker.runtime.settings import from_dict
+from cpgbroker.runtime.config.settings import from_dict
 from modelclient import Harness
 
 # A hash as `rabbitmqctl export_definitions` writes it: base64(salt ++ sha256(salt ++ pw)).

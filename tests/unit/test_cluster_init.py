@@ -16,7 +16,7 @@ import trustme
 from cpgbroker.errors import ConfigError
 from cpgbroker.model import auth
 from cpgbroker.model.config import User
-from cpgbroker.runtime import settings
+from cpgbroker.runtime.config import settings
 from prereq import unavailable
 
 NODES = ["--node", "n1=10.0.0.11", "--node", "n2=10.0.0.12", "--node", "n3=10.0.0.13"]

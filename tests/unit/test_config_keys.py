@@ -9,9 +9,9 @@ from pathlib import Path
 import attrs
 
 from cpgbroker.model.config import BrokerConfig, Permission, User
-from cpgbroker.runtime import settings
-from cpgbroker.runtime.settings import ClusterConfig, ServerConfig
-from cpgbroker.runtime.tls import TlsConfig
+from cpgbroker.runtime.config import settings
+from cpgbroker.runtime.config.settings import ClusterConfig, ServerConfig
+from cpgbroker.runtime.config.tls import TlsConfig
 from cpgbroker.store.store import StoreSettings
 
 SHIPPED = Path(__file__).resolve().parents[2] / "configs" / "cpgbroker.toml"

@@ -16,8 +16,8 @@ import pytest
 from test_mgmt_write import Api, _connect, _standalone
 
 from cpgbroker.cli import _admin_options
-from cpgbroker.runtime import ctl
-from cpgbroker.runtime.adminclient import AdminTarget
+from cpgbroker.runtime.admin import ctl
+from cpgbroker.runtime.admin.adminclient import AdminTarget
 
 
 def _ctl(api: Api, *argv: str) -> tuple[int, str]:

@@ -1,4 +1,4 @@
-"""The web dashboard's route and files (runtime/dashboard.py), and the overview field it reads
+"""The web dashboard's route and files (runtime/mgmt/dashboard.py), and the overview field it reads
 (the browser test is tests/integration/test_dashboard_browser.py)."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from cpgbroker.runtime import dashboard, mgmt_json
-from cpgbroker.runtime.admin import AdminRoutes
-from cpgbroker.runtime.httpserve import Request
+from cpgbroker.runtime.admin.admin import AdminRoutes
+from cpgbroker.runtime.mgmt import dashboard, mgmt_json
+from cpgbroker.runtime.mgmt.httpserve import Request
 
 
 def test_the_files_are_served_with_their_types_and_no_login() -> None:

@@ -24,8 +24,8 @@ from cpgbroker.cluster.errorcheck import ErrorRounds, Round, majority
 from cpgbroker.errors import ClusterError
 from cpgbroker.model import snapshot
 from cpgbroker.model.events import ClientData, Tick
-from cpgbroker.runtime.member import ClusterNode, member_id
-from cpgbroker.runtime.settings import ClusterConfig, ServerConfig
+from cpgbroker.runtime.config.settings import ClusterConfig, ServerConfig
+from cpgbroker.runtime.member.member import ClusterNode, member_id
 from fakecpg import Bus, FakeCpg, FakeQuorum
 from nodeharness import (
     Client,
@@ -263,7 +263,7 @@ def test_watchdog_kills_a_member_that_stops_feeding_it() -> None:
     # A stand-in member: a process that spawns its watchdog, feeds it once, then hangs.
     code = (
         "import time, sys\n"
-        "from cpgbroker.runtime import watchdog\n"
+        "from cpgbroker.runtime.member import watchdog\n"
         "w = watchdog.spawn(1.0)\n"
         "watchdog.feed(w)\n"
         "print(w.pid, flush=True)\n"
@@ -285,7 +285,7 @@ def test_watchdog_kills_a_member_that_stops_feeding_it() -> None:
 def test_watchdog_leaves_a_fed_member_alone_and_exits_with_it() -> None:
     code = (
         "import time\n"
-        "from cpgbroker.runtime import watchdog\n"
+        "from cpgbroker.runtime.member import watchdog\n"
         "w = watchdog.spawn(2.0)\n"
         "print(w.pid, flush=True)\n"
         "for _ in range(30):\n"
@@ -362,7 +362,7 @@ def test_a_member_that_caught_up_past_an_event_the_cluster_failed_takes_a_fresh_
 
 
 async def test_control_requests_with_bad_bodies_get_400_and_the_endpoint_lives_on() -> None:
-    from cpgbroker.runtime import admin
+    from cpgbroker.runtime.admin import admin
 
     seen: list[int] = []
 
@@ -398,7 +398,7 @@ async def test_control_requests_with_bad_bodies_get_400_and_the_endpoint_lives_o
 
 
 async def test_updater_children_of_an_ended_incarnation_are_ended_and_reaped() -> None:
-    from cpgbroker.runtime.process import reap_updaters
+    from cpgbroker.runtime.process.process import reap_updaters
 
     async with trio.open_nursery() as nursery:
         (a,), _ = await start(nursery, 1)

@@ -11,7 +11,7 @@ from cpgbroker.cluster import codec
 from cpgbroker.model import events
 from cpgbroker.model.eventtypes import BY_CLASS, EVENT_TYPES
 from cpgbroker.model.versions import NEWEST, OLDEST
-from cpgbroker.runtime.eventlog import TYPE_NAMES
+from cpgbroker.runtime.member.eventlog import TYPE_NAMES
 from cpgbroker.store import records
 from eventsamples import model_events
 

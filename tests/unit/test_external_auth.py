@@ -177,7 +177,7 @@ def _connection_dicts(obj: Any) -> list[dict[str, Any]]:
 
 
 def test_a_user_without_a_password_logs_in_by_certificate_only() -> None:
-    from cpgbroker.runtime.settings import from_dict
+    from cpgbroker.runtime.config.settings import from_dict
 
     # RabbitMQ's `clear_password`: password_hash "" (what export_definitions writes then).
     cfg = from_dict({"users": [{"name": DN, "password_hash": "", "vhosts": ["/"]}]}).broker

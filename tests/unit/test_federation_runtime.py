@@ -1,5 +1,5 @@
-"""The pure parts of a member's federation links (runtime/federation.py): who runs a link,
-what the upstream queue is called and bound with, what status shows of a URI, and the TLS
+"""The pure parts of a member's federation links (runtime/federation/federation.py): who runs a
+link, what the upstream queue is called and bound with, what status shows of a URI, and the TLS
 context a link uses towards an amqps upstream."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from test_admin_model import Ops
 
 import tlscerts
 from cpgbroker.model.federation import RECEIVED_FROM, Link, Upstream
-from cpgbroker.runtime.federation import (
+from cpgbroker.runtime.config.tls import TlsConfig
+from cpgbroker.runtime.federation.federation import (
     been_at_exact,
     client_context,
     owner,
@@ -26,7 +27,6 @@ from cpgbroker.runtime.federation import (
     wanted_bindings,
     with_hop_exact,
 )
-from cpgbroker.runtime.tls import TlsConfig
 from cpgbroker.wire import fastpath as fp
 from cpgbroker.wire.fieldtable import DOUBLE, Field, Table, decode_table
 from modelclient import Harness
@@ -105,7 +105,7 @@ def test_amqps_links_trust_the_configured_ca_and_present_the_members_certificate
 
 def test_a_link_whose_runner_left_shows_as_starting_until_the_next_one_reports() -> None:
     from cpgbroker.model.events import MemberLeft
-    from cpgbroker.runtime.mgmt_json import cluster_view, federation_links_json
+    from cpgbroker.runtime.mgmt.mgmt_json import cluster_view, federation_links_json
 
     h = Harness()
     ops = Ops(h)
@@ -191,7 +191,7 @@ def test_hops_name_the_cluster_as_its_connection_start_does_and_queues_keep_thei
     connection.start ``cluster_name`` ([cluster] name) into ``x-received-from``: this cluster's
     own hops and loop checks use that name too. Its queues upstream keep the group's name, so
     that renaming the cluster leaves them where they are."""
-    from cpgbroker.runtime.federation import FederationLinks
+    from cpgbroker.runtime.federation.federation import FederationLinks
 
     def links(server_id: str, cluster_name: str) -> FederationLinks:
         return FederationLinks(

@@ -98,7 +98,7 @@ def test_planted_violations_are_reported(tmp_path: Path) -> None:
 
     plant("model/events.py", "import trio")
     plant("errors.py", "import time")
-    plant("wire/framer.py", "from cpgbroker.runtime import server")
+    plant("wire/framer.py", "from cpgbroker.runtime.amqp import server")
     plant("wire/_planted_a.py", "from cpgbroker.wire import _planted_b")
     plant("wire/_planted_b.py", "from cpgbroker.wire import _planted_a")
     res = lint_imports(tmp_path)

@@ -1,4 +1,4 @@
-"""The hot-standby primary's lease (runtime/lease.py): its length from corosync's timeouts,
+"""The hot-standby primary's lease (runtime/member/lease.py): its length from corosync's timeouts,
 renewal by our own messages coming back, the lapse, and the end of a lapse."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import trio
 import trio.testing
 
 from cpgbroker.corosync import cmap
-from cpgbroker.runtime import lease as lease_module
-from cpgbroker.runtime.lease import FORMATION_MARGIN, PrimaryLease, lease_length
+from cpgbroker.runtime.member import lease as lease_module
+from cpgbroker.runtime.member.lease import FORMATION_MARGIN, PrimaryLease, lease_length
 
 
 def test_the_lease_outlasts_the_time_the_others_take_to_promote() -> None:

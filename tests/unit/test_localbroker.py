@@ -1,4 +1,4 @@
-"""Member-local connections (runtime/localbroker.py): the ``local_listen`` setting, a local
+"""Member-local connections (runtime/amqp/localbroker.py): the ``local_listen`` setting, a local
 broker that logs clients in with the cluster replica's users and vhosts, and its own queues.
 The cluster side (nothing crosses CPG, the queues die with the member) is proven on real
 corosync in tests/integration/test_member_local.py."""
@@ -17,9 +17,9 @@ from cpgbroker.errors import ConfigError
 from cpgbroker.model import auth
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.config import BrokerConfig, Permission, Policy, User
-from cpgbroker.runtime.amqpclient import AmqpClient, ConnectionClosed
-from cpgbroker.runtime.localbroker import LocalBroker
-from cpgbroker.runtime.settings import ClusterConfig, ServerConfig, load
+from cpgbroker.runtime.amqp.localbroker import LocalBroker
+from cpgbroker.runtime.config.settings import ClusterConfig, ServerConfig, load
+from cpgbroker.runtime.federation.amqpclient import AmqpClient, ConnectionClosed
 from modelclient import Harness
 
 

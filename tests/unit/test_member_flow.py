@@ -8,8 +8,8 @@ import trio
 
 from cpgbroker.corosync.events import ConfChg, Member, MemberChange, Reason
 from cpgbroker.model.events import ClientConnected, ClientData
-from cpgbroker.runtime.member import ClusterNode, member_id
-from cpgbroker.runtime.settings import ClusterConfig, ServerConfig
+from cpgbroker.runtime.config.settings import ClusterConfig, ServerConfig
+from cpgbroker.runtime.member.member import ClusterNode, member_id
 from cpgbroker.wire.framer import PROTOCOL_HEADER
 from fakecpg import Bus, FakeCpg
 

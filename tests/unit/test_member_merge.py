@@ -19,8 +19,8 @@ from cpgbroker.corosync.events import (
     RingId,
     TotemConfChg,
 )
-from cpgbroker.runtime.member import ClusterNode, member_id
-from cpgbroker.runtime.settings import ClusterConfig, ServerConfig
+from cpgbroker.runtime.config.settings import ClusterConfig, ServerConfig
+from cpgbroker.runtime.member.member import ClusterNode, member_id
 from fakecpg import Bus, FakeCpg, FakeQuorum
 
 

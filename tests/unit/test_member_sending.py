@@ -15,7 +15,7 @@ from cpgbroker.cluster import codec
 from cpgbroker.cluster import progress as progress_mod
 from cpgbroker.corosync.events import Deliver
 from cpgbroker.model.events import ClientData, DoOutput
-from cpgbroker.runtime import member as member_mod
+from cpgbroker.runtime.member import member as member_mod
 from nodeharness import (
     Client,
     acks,

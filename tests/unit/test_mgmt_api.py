@@ -20,9 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.config import BrokerConfig, Permission, User
-from cpgbroker.runtime import mgmt_api, mgmt_json
-from cpgbroker.runtime.mgmt_api import Refusal
-from cpgbroker.runtime.mgmt_json import ADMIN_TAGS, MGMT_TAGS, MONITOR_TAGS, Identity
+from cpgbroker.runtime.mgmt import mgmt_api, mgmt_json
+from cpgbroker.runtime.mgmt.mgmt_api import Refusal
+from cpgbroker.runtime.mgmt.mgmt_json import ADMIN_TAGS, MGMT_TAGS, MONITOR_TAGS, Identity
 
 USERS = (
     User("admin", "pw-admin", ("/", "other"), tags=("administrator",)),
@@ -263,8 +263,8 @@ def _get(url: str, auth: str | None) -> tuple[int, dict[str, str], bytes]:
 async def test_a_standalone_broker_answers_the_api_and_metrics(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from cpgbroker.runtime import main as runtime_main
-    from cpgbroker.runtime import settings
+    from cpgbroker.runtime.config import settings
+    from cpgbroker.runtime.process import main as runtime_main
 
     admin_port = _free_port()
     toml = tmp_path / "cpgbroker.toml"
@@ -392,7 +392,8 @@ async def test_a_standalone_broker_answers_the_api_and_metrics(
 
 
 async def test_keep_alive_bodies_and_malformed_requests() -> None:
-    from cpgbroker.runtime import admin, httpserve
+    from cpgbroker.runtime.admin import admin
+    from cpgbroker.runtime.mgmt import httpserve
 
     async def control(path: str, args: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         return 202, {"got": args}
@@ -490,7 +491,7 @@ def test_the_older_node_health_check_and_the_cluster_name() -> None:
     assert api.get(["healthchecks", "node", "cpgbroker@h"], view, admin).body == {"status": "ok"}
     assert api.get(["healthchecks", "node", "rabbit@x"], view, admin).status == 404
     # A view given no cluster name answers its node's (a standalone broker's settings give it
-    # that: runtime/settings.py).
+    # that: runtime/config/settings.py).
     assert api.get(["cluster-name"], view, admin).body == {"name": "cpgbroker@h"}
     overview = api.get(["overview"], view, admin).body
     assert overview["contexts"][0]["node"] == "cpgbroker@h"
@@ -499,7 +500,7 @@ def test_the_older_node_health_check_and_the_cluster_name() -> None:
 def test_every_member_answers_the_configured_cluster_name_with_or_without_a_replica() -> None:
     """/api/cluster-name, /api/overview and rabbitmq_identity_info's rabbitmq_cluster give the
     configuration's name (the same on every member), each member its own node name."""
-    from cpgbroker.runtime import metrics
+    from cpgbroker.runtime.mgmt import metrics
 
     api = mgmt_api.ManagementApi()
     admin = Identity("admin", ("administrator",))
@@ -531,7 +532,7 @@ def test_every_member_answers_the_configured_cluster_name_with_or_without_a_repl
 async def test_a_failing_route_answers_500_and_the_endpoint_lives_on(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from cpgbroker.runtime import admin
+    from cpgbroker.runtime.admin import admin
 
     def broken() -> Broker:
         raise RuntimeError("boom")

@@ -19,7 +19,7 @@ import pika.exceptions
 import pytest
 import trio
 
-from cpgbroker.runtime import mgmt_write
+from cpgbroker.runtime.mgmt import mgmt_write
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "rabbitmq-3.10.8-definitions.json"
 
@@ -71,8 +71,8 @@ def _connect(port: int, user: str = "guest", password: str = "guest", vhost: str
 
 
 async def _standalone(tmp_path: Path, work: Callable[[Api, int], None]) -> None:
-    from cpgbroker.runtime import main as runtime_main
-    from cpgbroker.runtime import settings
+    from cpgbroker.runtime.config import settings
+    from cpgbroker.runtime.process import main as runtime_main
 
     admin_port = _free_port()
     toml = tmp_path / "cpgbroker.toml"
@@ -298,8 +298,8 @@ def test_renaming_the_cluster_is_refused_saying_the_name_is_the_configurations()
     member must share, so no member may change it alone."""
     from cpgbroker.model.broker import Broker
     from cpgbroker.model.config import BrokerConfig
-    from cpgbroker.runtime.mgmt_api import Answer
-    from cpgbroker.runtime.mgmt_json import Identity, cluster_view
+    from cpgbroker.runtime.mgmt.mgmt_api import Answer
+    from cpgbroker.runtime.mgmt.mgmt_json import Identity, cluster_view
 
     view = cluster_view({"state": "ready"}, Broker(BrokerConfig()), "h", "prod")
 

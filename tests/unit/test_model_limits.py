@@ -175,7 +175,7 @@ def test_limits_from_the_config_file() -> None:
     from pathlib import Path
 
     from cpgbroker.errors import ConfigError
-    from cpgbroker.runtime.settings import from_dict, load
+    from cpgbroker.runtime.config.settings import from_dict, load
 
     shipped = load(str(Path(__file__).resolve().parents[2] / "configs" / "cpgbroker.toml"))
     assert shipped.broker.vhost_max_queues == BrokerConfig().vhost_max_queues

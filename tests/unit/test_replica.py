@@ -440,7 +440,7 @@ def test_a_damaged_batch_is_an_invariant_error(cut: int) -> None:
 
 @pytest.mark.parametrize("seed", range(8))
 def test_an_update_from_the_back_without_what_was_consumed_since_converges(seed: int) -> None:
-    """A replica's state update (runtime/update.py) goes from the back of each queue and
+    """A replica's state update (runtime/update/transfer.py) goes from the back of each queue and
     leaves out what consumers took after its point; the newcomer replays the batches from that
     point and ends with the broker of a member that applied everything."""
     log = generate(200 + seed, steps=400)

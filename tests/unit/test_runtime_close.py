@@ -18,9 +18,9 @@ from pamqp import body as pbody
 from pamqp import commands, frame, header
 
 from cpgbroker.model.events import Tick
-from cpgbroker.runtime import server
-from cpgbroker.runtime.server import Node
-from cpgbroker.runtime.settings import ServerConfig
+from cpgbroker.runtime.amqp import server
+from cpgbroker.runtime.amqp.server import Node
+from cpgbroker.runtime.config.settings import ServerConfig
 from cpgbroker.wire.framer import PROTOCOL_HEADER
 
 BODY = b"x" * 2000

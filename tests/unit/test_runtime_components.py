@@ -13,10 +13,10 @@ import trio
 
 from cpgbroker.errors import ClusterError
 from cpgbroker.model.events import CONFIRM, CONFIRM_DURABLE, ClientData, Send
-from cpgbroker.runtime.confirms import ConfirmGate
-from cpgbroker.runtime.eventlog import EventLog
-from cpgbroker.runtime.server import LocalConn, Node
-from cpgbroker.runtime.settings import ServerConfig
+from cpgbroker.runtime.amqp.confirms import ConfirmGate
+from cpgbroker.runtime.amqp.server import LocalConn, Node
+from cpgbroker.runtime.config.settings import ServerConfig
+from cpgbroker.runtime.member.eventlog import EventLog
 
 
 class FakeStream:

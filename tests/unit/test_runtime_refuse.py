@@ -9,8 +9,8 @@ import trio
 from pamqp import body as pbody
 from pamqp import commands, frame, header
 
-from cpgbroker.runtime import server
-from cpgbroker.runtime.process import refuse
+from cpgbroker.runtime.amqp import server
+from cpgbroker.runtime.process.process import refuse
 from cpgbroker.wire.framer import PROTOCOL_HEADER
 
 BODY = b"x" * 2000

@@ -1,6 +1,6 @@
 """The watchdog keeps a member alive while it is inside a long event and makes progress
-(runtime/watchdog.py, "Slow events are not hangs"): the feeder's rule as a pure function, then
-stand-in members (processes with a real watchdog) that are slow, blocked, or slow for too long
+(runtime/member/watchdog.py, "Slow events are not hangs"): the feeder's rule as a pure function,
+then stand-in members (processes with a real watchdog) that are slow, blocked, or slow for too long
 inside one event; and the slow-apply fault that tests inject on every member."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import time
 import pytest
 
 from cpgbroker.errors import ClusterError
-from cpgbroker.runtime.eventlog import EventLog
-from cpgbroker.runtime.watchdog import BUSY, IDLE, MIN_CPU_SHARE, STILL, TOO_LONG, BusyRule
+from cpgbroker.runtime.member.eventlog import EventLog
+from cpgbroker.runtime.member.watchdog import BUSY, IDLE, MIN_CPU_SHARE, STILL, TOO_LONG, BusyRule
 
 # ---------------------------------------------------------------------- the rule (pure)
 
@@ -72,7 +72,7 @@ def test_max_apply_zero_leaves_the_feeding_to_the_event_loop() -> None:
 # SECONDS, then says "done".
 MEMBER = """
 import time, sys
-from cpgbroker.runtime import watchdog
+from cpgbroker.runtime.member import watchdog
 what, seconds, max_apply = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
 w = watchdog.spawn(1.0)
 mark = watchdog.ApplyMark()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cpgbroker.runtime.sdnotify import Notifier, member_line
+from cpgbroker.runtime.process.sdnotify import Notifier, member_line
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
-"""Hot standby shipping changes (runtime/shipping.py) in real ``ClusterNode``s on the in-memory
-total-order bus: the primary's clients are served by its own broker, backups apply its change
-batches, a confirm waits until every backup applied the batch that carries it, and when the
+"""Hot standby shipping changes (runtime/replication/shipping.py) in real ``ClusterNode``s on the
+in-memory total-order bus: the primary's clients are served by its own broker, backups apply its
+change batches, a confirm waits until every backup applied the batch that carries it, and when the
 primary goes the next member serves what the backups hold."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from cpgbroker.model import snapshot
 from cpgbroker.model.events import ClientData, DoOutput, Tick
 from cpgbroker.model.replica import Replication
 from cpgbroker.model.shipping import messages
-from cpgbroker.runtime import shipping as shipping_module
+from cpgbroker.runtime.replication import shipping as shipping_module
 from fakecpg import Bus
 from nodeharness import (
     Client,

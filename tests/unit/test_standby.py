@@ -1,5 +1,6 @@
-"""Hot standby's rule (runtime/standby.py): the eldest ready member is the primary, every other
-member turns clients away naming it, and the rule never moves the primary while it lives."""
+"""Hot standby's rule (runtime/replication/standby.py): the eldest ready member is the primary,
+every other member turns clients away naming it, and the rule never moves the primary while it
+lives."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import pytest
 from cpgbroker.cluster.codec import STATUS_NEW, STATUS_READY, Hello
 from cpgbroker.cluster.membership import MemberInfo, Membership
 from cpgbroker.errors import ConfigError
-from cpgbroker.runtime.settings import load
-from cpgbroker.runtime.standby import HotStandby, primary_of
+from cpgbroker.runtime.config.settings import load
+from cpgbroker.runtime.replication.standby import HotStandby, primary_of
 
 
 def _membership(*members: tuple[int, int | None]) -> Membership:

@@ -11,8 +11,8 @@ import pytest
 
 import tlscerts
 from cpgbroker.errors import ConfigError
-from cpgbroker.runtime.settings import from_dict
-from cpgbroker.runtime.tls import TlsConfig, cert_identity, parse_tls, server_context
+from cpgbroker.runtime.config.settings import from_dict
+from cpgbroker.runtime.config.tls import TlsConfig, cert_identity, parse_tls, server_context
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The amqps stream (runtime/tls.py TlsStream) against a real client ``ssl`` socket on
+"""The amqps stream (runtime/config/tls.py TlsStream) against a real client ``ssl`` socket on
 loopback: big payloads both ways at once, writes the socket cannot take at once (direct and
 waiting), a client that closes in the middle of a record or without close_notify, our
 close_notify, and the handshake timeout."""
@@ -18,8 +18,8 @@ import pytest
 import trio
 import trustme
 
-from cpgbroker.runtime.server import tls_handshake
-from cpgbroker.runtime.tls import TlsConfig, TlsListener, TlsStream, server_context
+from cpgbroker.runtime.amqp.server import tls_handshake
+from cpgbroker.runtime.config.tls import TlsConfig, TlsListener, TlsStream, server_context
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The state transfer stream (runtime/update.py) between a sender and a receiver in one
+"""The state transfer stream (runtime/update/transfer.py) between a sender and a receiver in one
 process over loopback TCP: the restored model equals the sent one, and a corrupt or foreign
 stream is refused rather than installed."""
 
@@ -14,7 +14,7 @@ from cpgbroker.errors import ClusterError
 from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.entities import Queue
-from cpgbroker.runtime import update
+from cpgbroker.runtime.update import transfer as update
 from workload import generate
 
 TOKEN = b"k" * update.TOKEN_BYTES

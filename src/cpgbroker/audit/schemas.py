@@ -19,7 +19,7 @@ Field = Callable[[str], Column]
 # Holds the raw line when a record does not parse (from_json's PERMISSIVE mode).
 CORRUPT = "_corrupt"
 
-# -- member event logs (written by runtime/member.py: see docs/operations.md "Event log")
+# -- member event logs (written by runtime/member/member.py: see docs/operations.md "Event log")
 EVENT_SCHEMA = T.StructType(
     [
         T.StructField("seq", T.LongType()),

@@ -254,7 +254,8 @@ class Membership:
                 # joins the list clients fail over to, at the same point on every member. It
                 # moves to the end of the order, so the ready members stand in the order they
                 # became ready: the first is the one that has served longest (the hot-standby
-                # primary, runtime/standby.py), and one that comes back never displaces it.
+                # primary, runtime/replication/standby.py), and one that comes back never displaces
+                # it.
                 info.status = STATUS_READY
                 self.members[h.member] = self.members.pop(h.member)
                 acts: list[Action] = [ApplyToModel(ClusterMembers(self.urls()))]

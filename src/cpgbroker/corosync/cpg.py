@@ -20,8 +20,8 @@ Every ``cs_error_t`` maps to its own exception class (see :func:`error_class`). 
 from :class:`cpgbroker.errors.CpgError` (:mod:`cpgbroker.corosync.errors`); :class:`CpgTryAgain`
 (retry) is distinct from :class:`CpgFatalError` (everything else).
 
-This module does no I/O waiting of its own: see :mod:`cpgbroker.runtime.cpg_trio` for the trio
-adapter, which also guards the calls that block forever when corosync hangs.
+This module does no I/O waiting of its own: see :mod:`cpgbroker.runtime.member.cpg_trio` for the
+trio adapter, which also guards the calls that block forever when corosync hangs.
 """
 
 from __future__ import annotations

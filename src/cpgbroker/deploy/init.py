@@ -37,7 +37,7 @@ import attrs
 from cpgbroker.deploy import certs
 from cpgbroker.errors import ConfigError
 from cpgbroker.model import auth
-from cpgbroker.runtime import settings
+from cpgbroker.runtime.config import settings
 
 # corosync-keygen writes 256 bytes (2048 bits); corosync accepts 1024 bits to 4096 bytes.
 AUTHKEY_BYTES = 256

@@ -24,8 +24,8 @@ from typing import Any
 
 from cpgbroker.dev.cluster import DevCluster, DevClusterError
 from cpgbroker.errors import ConfigError
-from cpgbroker.runtime import adminclient
-from cpgbroker.runtime import secret as admin_secret
+from cpgbroker.runtime.admin import adminclient
+from cpgbroker.runtime.admin import secret as admin_secret
 
 PROCESS = "broker"
 

@@ -74,7 +74,7 @@ from cpgbroker.wire.fastpath import parse_content_header
 R = ReplyCode
 
 # The operator's ``cluster upgrade-finish``: the runtime decides, before the model applies it,
-# whether every member can follow (runtime/member.py).
+# whether every member can follow (runtime/member/member.py).
 RAISE_MODEL_VERSION = "raise_model_version"
 
 
@@ -380,7 +380,7 @@ class Admin:
         return 204, None
 
     def federation_status(self, args: dict[str, Any], who: str) -> Answer:
-        """A link's runner reports a change of its state (runtime/federation.py)."""
+        """A link's runner reports a change of its state (runtime/federation/federation.py)."""
         _member_only(who)
         key = (text_arg(args, "vhost"), text_arg(args, "exchange"), text_arg(args, "upstream"))
         state = args.get("state")
@@ -391,7 +391,7 @@ class Admin:
 
     def federation_pushed(self, args: dict[str, Any], who: str) -> Answer:
         """A pushing link's upstream confirmed the messages at the head of its push queue up
-        to message ``upto``: they leave it (runtime/federation.py)."""
+        to message ``upto``: they leave it (runtime/federation/federation.py)."""
         _member_only(who)
         vhost, exchange = text_arg(args, "vhost"), text_arg(args, "exchange")
         upto = args.get("upto")

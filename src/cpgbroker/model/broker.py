@@ -301,7 +301,7 @@ class Broker:
     def mirror_access(self, other: Broker) -> None:
         """Log clients in as ``other`` does: take its users, their permissions and its vhosts.
 
-        For a member-local broker (runtime/localbroker.py), which is not replicated and so
+        For a member-local broker (runtime/amqp/localbroker.py), which is not replicated and so
         sees none of the operators' changes: its member calls this between events, before each
         new client and every second. Vhosts are only added here: one deleted in ``other`` is
         no longer open to anyone (its users' permissions went with it), and the member deletes
@@ -375,7 +375,7 @@ class Broker:
         """Publisher confirms and tx.commit-oks produced so far for shadow connections (their
         bytes are not even encoded): a member thereby knows, without being told, that an
         event gave another member's client a confirm that waits for this member's progress
-        report (runtime/member.py). Not replicated: only its changes matter."""
+        report (runtime/member/member.py). Not replicated: only its changes matter."""
         return self.out.shadow_confirms
 
     @property

@@ -51,8 +51,8 @@ never held it ends where one that held it and dropped it would, and the message'
 still gets its confirm only once the batch is stable (the confirm waits for the batch being
 cut when it was published). Were the primary to die first, the consumer that acked it got it,
 and its publisher never got a confirm. Under load most messages live shorter than a batch
-(the runtime cuts the next batch only once the last came back: ``runtime/shipping.py``), so
-they cross the ring as a few bytes of nothing instead of their bodies. A message in two queues
+(the runtime cuts the next batch only once the last came back: ``runtime/replication/shipping.py``),
+so they cross the ring as a few bytes of nothing instead of their bodies. A message in two queues
 is elided from each on its own; the first record left of it carries its body.
 
 **Deliveries.** A backup keeps a delivered message in place, flagged redelivered
@@ -64,8 +64,8 @@ waited for that batch). A delivery of a message that joined its queue in an earl
 not: the member may hold the enqueue but not the delivery, and would deliver the message again
 as a first delivery. :meth:`delivery_waits` tells the model which case it is, and the runtime
 writes such a delivery only once its batch is stable (``Send.delivery_waits``,
-``runtime/shipping.py``, "Deliveries"). A consumer keeping up gets what is published in the
-batch it joins (at once).
+``runtime/replication/shipping.py``, "Deliveries"). A consumer keeping up gets what is published in
+the batch it joins (at once).
 
 **Reservations.** A queue that backs up would hold every delivery a batch round trip, and the
 consumers that fall behind so stay behind. So the log *reserves* messages ahead of their

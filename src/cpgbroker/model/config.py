@@ -116,9 +116,9 @@ class BrokerConfig:
     product: str = "cpgbroker"
     version: str = "0.1.0"
     # RabbitMQ's cluster_name, told to clients in connection.start: ``[cluster] name``, by
-    # default the CPG group, the same on every member (runtime/settings.py; a standalone
+    # default the CPG group, the same on every member (runtime/config/settings.py; a standalone
     # broker's is its node name). "" (a model made without settings): "standalone". Release
-    # 0.1.0 left it "": runtime/member.py ``config_digest`` hashes the default as it did.
+    # 0.1.0 left it "": runtime/member/member.py ``config_digest`` hashes the default as it did.
     cluster_name: str = ""
     # Member URLs announced in server-properties (cluster mode); empty standalone.
     member_urls: tuple[str, ...] = ()

@@ -135,7 +135,7 @@ SERVER_CAPABILITIES = {
 
 def server_properties(cfg: BrokerConfig, member_urls: tuple[str, ...]) -> dict[str, Any]:
     """connection.start's server-properties (also what a hot-standby backup shows the clients
-    it turns away: runtime/standby.py)."""
+    it turns away: runtime/replication/standby.py)."""
     props: dict[str, Any] = {
         "product": cfg.product,
         "version": cfg.version,

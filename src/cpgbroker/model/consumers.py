@@ -303,7 +303,7 @@ class Consumers:
         tag = ch.next_tag
         changes = self._delivery.changes
         if changes is not None and conn.emit and changes.delivery_waits(q, e):
-            # Asked before a no_ack get releases it (runtime/shipping.py, "Deliveries").
+            # Asked before a no_ack get releases it (runtime/replication/shipping.py, "Deliveries").
             conn.delivery_waits = True
         if m.no_ack:
             self._release(q, e)

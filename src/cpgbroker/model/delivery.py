@@ -771,7 +771,8 @@ class Delivery:
         now = self._clock.now_ms
         changes = self.changes
         if changes is not None and conn.emit and changes.delivery_waits(q, e):
-            # Asked before a no_ack delivery releases it (runtime/shipping.py, "Deliveries").
+            # Asked before a no_ack delivery releases it (runtime/replication/shipping.py,
+            # "Deliveries").
             conn.delivery_waits = True
         if c.no_ack:
             self._release(q, e)

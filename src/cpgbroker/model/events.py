@@ -131,8 +131,8 @@ class AdminCommand:
 @attrs.frozen
 class Forward:
     """Messages the federation link (``vhost``, ``exchange``, ``upstream``) of ``member``
-    brought in from an upstream cluster (runtime/federation.py), to publish into the exchange
-    in this order, as (routing key, content header, body, digest, redelivered): the header
+    brought in from an upstream cluster (runtime/federation/federation.py), to publish into the
+    exchange in this order, as (routing key, content header, body, digest, redelivered): the header
     already carries ``x-received-from``; ``digest`` names the message as the upstream sent
     it, and ``redelivered`` says the upstream sent it before (to a runner that may have handed
     it over already: model/federation.py drops it then). Answered like an
@@ -192,7 +192,7 @@ class Send:
     message a hot-standby primary shipping changes shipped in an earlier batch than the one
     recording the delivery (``ChangeLog.delivery_waits``). Such output is written only once
     that batch is stable, as a confirm is, so that a member promoted after it knows of every
-    delivery a client may have seen (runtime/shipping.py, "Deliveries").
+    delivery a client may have seen (runtime/replication/shipping.py, "Deliveries").
     """
 
     conn: int

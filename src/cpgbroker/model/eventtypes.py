@@ -38,7 +38,7 @@ from cpgbroker.model.versions import OLDEST
 @attrs.frozen
 class EventType:
     cls: type
-    # The event log's record type (runtime/eventlog.py, docs/audit.md).
+    # The event log's record type (runtime/member/eventlog.py, docs/audit.md).
     name: str
     # Its type byte in the store's journal (store/records.py).
     journal: int

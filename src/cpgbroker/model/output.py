@@ -15,7 +15,7 @@ time, which heartbeats depend on, is kept, because it is replicated state.
 
 It also counts the confirms produced for shadow connections (``shadow_confirms``), a
 replica-local statistic the runtime reads to learn that an event gave another member's
-client a confirm (``runtime/member.py``); only its changes matter, so it is not replicated.
+client a confirm (``runtime/member/member.py``); only its changes matter, so it is not replicated.
 
 The few server methods that carry client-chosen queue or exchange names (queue.declare-ok,
 basic.return) are encoded here by hand: pamqp refuses, on encoding, names that RabbitMQ

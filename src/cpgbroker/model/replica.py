@@ -105,7 +105,7 @@ class Replication:
         # is for one of those, and done already. Otherwise such a record is a divergence.
         self.catching_up = False
         # While a state update from this member is sent: the messages released since, as
-        # (vhost, queue, id), for the updater to leave out (runtime/update.py); else None.
+        # (vhost, queue, id), for the updater to leave out (runtime/update/transfer.py); else None.
         self.released: list[tuple[str, str, int]] | None = None
 
     def _entries(self, q: Queue) -> dict[int, Entry]:
@@ -339,7 +339,7 @@ class Replication:
                 b.out.shadow_durable_confirms += 1
         if flags & F_APPLIED:
             # Counted as a confirm that waits for no store: this member reports what it applied
-            # at once (runtime/shipping.py, "Deliveries").
+            # at once (runtime/replication/shipping.py, "Deliveries").
             b.out.shadow_confirms += 1
 
     def _install(self, defs: list[Any]) -> None:

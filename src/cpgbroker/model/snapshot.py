@@ -148,17 +148,17 @@ def parts(
     first part that references it. It walks the live state: consume it to the end before the
     broker applies another event (the updater's forked child and the digest do).
 
-    ``gone`` (a hot-standby replica's state update, runtime/update.py): each queue's messages
-    go from its back, as ``["entries_back", index, new_messages, entries]`` chunks that the
+    ``gone`` (a hot-standby replica's state update, runtime/update/transfer.py): each queue's
+    messages go from its back, as ``["entries_back", index, new_messages, entries]`` chunks that the
     receiver puts in front of those it has, leaving out the ids ``gone(queue)`` names as it is
     about to send each chunk: messages consumed since the snapshot's point, which the receiver
     drops as it replays the stream from that point anyway. So the transfer shrinks while
     consumers eat the front of a queue, instead of chasing them.
 
-    ``share``: for a copy in this process only (a hot-standby promotion, runtime/shipping.py),
-    a queue's entries as copies of themselves and messages as the objects instead of rows:
-    nothing changes a message once made, so the copy shares them rather than parse every
-    header again (:meth:`Restorer.feed` takes either).
+    ``share``: for a copy in this process only (a hot-standby promotion,
+    runtime/replication/shipping.py), a queue's entries as copies of themselves and messages as the
+    objects instead of rows: nothing changes a message once made, so the copy shares them rather
+    than parse every header again (:meth:`Restorer.feed` takes either).
     """
     queues: list[Queue] = []
     qindex: dict[int, int] = {}

@@ -12,7 +12,7 @@ same digest every replica had there.
 
 * **Durable sequence.** The syncer reports the last event on disk; the member reports it to
   the others with its progress, and a confirm that covers a persistent message on a durable
-  queue goes out once every ready member's store holds its event (runtime/member.py). Until a
+  queue goes out once every ready member's store holds its event (runtime/member/member.py). Until a
   store that was replaced by a state update holds the snapshot it starts from, it vouches for
   nothing (:attr:`Store.durable` is 0).
 * **Snapshots.** When the journal since the base has grown past ``snapshot_bytes``, the

@@ -1,0 +1,16 @@
+"""The configuration: ``cpgbroker.toml`` read into settings, and its ``[tls]`` section.
+
+* ``settings``: :func:`load` gives a :class:`ServerConfig` (the model's settings plus this
+  process's own: listeners, logging, cluster membership).
+* ``tls``: :class:`~.tls.TlsConfig`, the amqps server context and the user a client
+  certificate names.
+
+The bottom wing of the runtime: it imports no other wing, and every wing that reads the
+configuration (the clients' side, the state update, the admin plane, the process, and the
+deployment files' writer outside the runtime) imports it.
+"""
+
+from cpgbroker.runtime.config.settings import ClusterConfig, ServerConfig, load
+from cpgbroker.runtime.config.tls import TlsConfig
+
+__all__ = ["ClusterConfig", "ServerConfig", "TlsConfig", "load"]

@@ -1,0 +1,20 @@
+"""The cluster member: :class:`~.member.ClusterNode` (``member``), a coordinator that routes
+each delivered CPG event to the components that own their state, and those components.
+
+* ``member``: the deliver loop and event routing; ``config_digest``.
+* ``multicast``: submitting events to CPG, batching. ``cpg_trio`` and ``quorum_trio``: libcpg
+  and votequorum under trio. ``ringgate``: whether the ring may serve (quorum).
+* ``checkpoints``, ``errorchecks``, ``stops``, ``eventlog``, ``applytimes``, ``lease`` (the
+  hot-standby primary's lease): the member's bookkeeping components.
+* ``storage``: :class:`~.storage.StoreLink`, the store as the event loop sees it.
+* ``watchdog``: the separate process that kills a member that stops making progress, and the
+  :class:`~.watchdog.ApplyMark` the member shares with it.
+
+It offers the process wing one incarnation of a member. It uses the clients' side
+(``runtime.amqp``), the replication modes, the state update's both sides, federation, the admin
+desk and the configuration; nothing but the process wing imports it.
+
+Nothing is re-exported here: ``python -m cpgbroker.runtime.member.watchdog`` starts the
+watchdog by module name, and a package that imported ``member`` on the way would load the whole
+member into that small process first.
+"""

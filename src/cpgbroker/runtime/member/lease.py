@@ -1,0 +1,148 @@
+"""A hot-standby primary's lease (``replication = "changes"``): it gives its clients up once the
+others may have promoted another primary.
+
+Theory of operation
+-------------------
+A primary shipping changes serves its clients from a broker of its own and ships what it
+changed. Two things keep a primary that is cut off (its corosync frozen, its node partitioned
+away) from ever contradicting the one promoted after it:
+
+* **Deliveries** (runtime/replication/shipping.py, "Deliveries"): a consumer gets a message only
+  once every member that may be promoted knows it may have been delivered (it holds it flagged
+  redelivered), or when no member can hold the message without its delivery (both ship in the
+  same batch). Whatever a cut-off primary still hands out, a new primary never hands out again
+  unflagged, whatever this lease says.
+* **The lease** (this module) ends what is left: clients that would otherwise hang on a primary
+  that can neither confirm nor deliver (a frozen corosync never reports a membership change to
+  its own members). The ring renews it: every message of ours delivered back through CPG proves
+  the ring carried it after we sent it (``TrioCpg.last_own_sent_at``, the send time of the
+  latest), and the primary multicasts a small message (its progress report) every
+  :data:`HEARTBEATS` th of the lease so that an idle primary renews it too. Once no message of
+  ours sent in the last :attr:`PrimaryLease.length` came back, the lease has *lapsed*.
+
+**How long.** The others declare a silent member lost no sooner than the token timeout after
+the last token it passed, plus the consensus timeout to agree on the new ring (corosync's
+``runtime.config.totem`` keys, read at start: :func:`cpgbroker.corosync.cmap.totem_timeouts`);
+they promote only then. The lease is that time plus :data:`FORMATION_MARGIN` of it again,
+because a member lost on the *other* side (a backup's node) stalls the ring for as long, and a
+primary that kept its lease through that stall must not give its clients up for nothing. So a
+cut-off primary's clients are closed shortly after the new primary serves (they find it on
+their first reconnect), and a primary never closes its clients for a backup's death. Delivery
+safety never depended on this length.
+
+**After a lapse** the member stops serving for this incarnation, as a member that lost quorum
+does (``ClusterNode.suspend``): it closes its clients with 320 naming the reason, drops what
+waits for stability, leaves the group and joins again as a newcomer once its corosync answers.
+It so comes back a backup, after a state update, whatever happened meanwhile: never again
+primary on the strength of its own messages coming back, which a corosync resumed after a
+freeze delivers before it reports that the others moved on without it (a lapsed primary that
+served again then would be a second primary until that report came).
+
+Owns: the lease's length, its last grant and whether it lapsed. Never closes a client itself:
+the member does (``ClusterNode._lease_lapsed``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import trio
+
+from cpgbroker.corosync import cmap
+
+log = logging.getLogger("cpgbroker.standby")
+
+# Heartbeats per lease: an idle primary multicasts one every length / HEARTBEATS seconds, and
+# the lease is looked at as often.
+HEARTBEATS = 8
+# The lease is the others' detection time (token + consensus) and this much of it again (see
+# the module docstring, "How long").
+FORMATION_MARGIN = 0.25
+# Until corosync's timeouts are read: its default token (3000 ms) and consensus (3600 ms).
+DEFAULT_TIMEOUTS = cmap.TotemTimeouts(cmap.DEFAULT_TOKEN_MS, cmap.DEFAULT_TOKEN_MS * 6 // 5)
+
+
+# What a client of a primary whose lease lapsed reads (connection.close 320), and one that
+# connects to it meanwhile.
+LAPSED = (
+    "hot standby: this member lost contact with the cluster and is no longer primary; "
+    "reconnect to another member"
+)
+
+
+def lease_length(timeouts: cmap.TotemTimeouts) -> float:
+    """Seconds a primary keeps its clients without hearing the ring (module docstring)."""
+    detection = (timeouts.token_ms + timeouts.consensus_ms) / 1000
+    return detection * (1 + FORMATION_MARGIN)
+
+
+class PrimaryLease:
+    def __init__(self, last_own_sent: Callable[[], float | None]) -> None:
+        # When the latest of our CPG messages delivered back was sent (time.monotonic()).
+        self._last_own_sent = last_own_sent
+        self.length = lease_length(DEFAULT_TIMEOUTS)
+        # The ring was seen working then: a promotion (a membership change just delivered).
+        self._granted_at = -float("inf")
+        # When the lease lapsed (time.monotonic()), while it stays lapsed.
+        self.lapsed_at: float | None = None
+        self.lapses = 0
+
+    @property
+    def lapsed(self) -> bool:
+        return self.lapsed_at is not None
+
+    def configure(self, timeouts: cmap.TotemTimeouts) -> None:
+        self.length = lease_length(timeouts)
+        log.info(
+            "hot-standby lease %.2f s (corosync token %d ms, consensus %d ms)",
+            self.length,
+            timeouts.token_ms,
+            timeouts.consensus_ms,
+        )
+
+    def grant(self, now: float) -> None:
+        """The ring works as of ``now`` (this member was just promoted by a membership change
+        it delivered)."""
+        self._granted_at = now
+
+    def expires_at(self) -> float:
+        sent = self._last_own_sent()
+        return max(self._granted_at, -float("inf") if sent is None else sent) + self.length
+
+    def check(self, now: float) -> bool:
+        """Whether the lease lapses now (it was valid until now)."""
+        if self.lapsed_at is None and now >= self.expires_at():
+            self.lapsed_at = now
+            self.lapses += 1
+            return True
+        return False
+
+    async def run(
+        self,
+        holding: Callable[[], bool],
+        heartbeat: Callable[[], None],
+        on_lapse: Callable[[], None],
+        netns: str | None,
+    ) -> None:
+        """For ever: while this member holds the lease (``holding``: it serves as primary),
+        send heartbeats, and call ``on_lapse`` once when it lapses."""
+        try:
+            self.configure(await trio.to_thread.run_sync(cmap.totem_timeouts, netns))
+        except Exception as e:  # a corosync without the keys: its defaults, said once
+            log.warning("corosync timeouts unreadable (%s): lease of %.2f s", e, self.length)
+        last = time.monotonic()
+        while self.lapsed_at is None:
+            every = self.length / HEARTBEATS
+            await trio.sleep(every)
+            now = time.monotonic()
+            # This process did not run for a while (a long promotion, a stalled host): what
+            # corosync delivered meanwhile is not read yet. Look again after the delivery loop
+            # had its turn rather than call a lapse the ring did not cause.
+            stalled = now - last > 2 * every
+            last = now
+            if holding():
+                heartbeat()
+                if not stalled and self.check(now):
+                    on_lapse()

@@ -1,0 +1,1182 @@
+"""A cluster member: the broker model driven by the CPG total order.
+
+Every event a local client causes (connect, bytes, disconnect, do-output grant) is multicast
+instead of applied; the member acts on it only when CPG delivers it back, in the same order
+every other member delivers it. Events of other members' clients are applied to *shadow*
+connections whose output is dropped. Membership (joins, leaves, readiness), cluster time and
+digest checkpoints come from the same stream (``cpgbroker.cluster``), so every member takes
+every decision at the same point of the order.
+
+Theory of operation
+-------------------
+:class:`ClusterNode` is a coordinator. It owns the model and the deliver loop: it takes CPG
+deliveries in total order, routes each item to the component whose job it is and executes
+what they return. Each component owns its state and never imports this module:
+
+* ``runtime/amqp/server.py`` :class:`~cpgbroker.runtime.amqp.server.Node`: client I/O; it is
+  given the multicaster as its sequencer and the confirm gate;
+* ``runtime/member/multicast.py``: submit, direct sends, batching, the sender task, the lag wait;
+* ``cluster/progress.py`` (pure): peer progress, the stable sequence, report pacing;
+  ``runtime/amqp/confirms.py``: local output held until its confirm is stable;
+* ``runtime/update/taking.py`` and ``runtime/update/giving.py``: the two sides of a state update;
+* ``runtime/member/checkpoints.py``: digest checkpoints over ``cluster/checkpoint.py``;
+* ``runtime/member/eventlog.py``: the event log and injected faults;
+* ``runtime/member/errorchecks.py``: this member's side of error-check rounds, over
+  ``cluster/stall.py`` (pure);
+* ``cluster/merge.py`` (pure): partition merge verdicts; ``cluster/quorum.py``: ring gating;
+* ``runtime/member/stops.py``: stop requests;
+* ``store/`` (through ``runtime/member/storage.py``): the member's durable store, which journals
+  every applied event (``_after_apply``) and whose fsyncs come back as ``on_durable``.
+
+What stays here is the order of things: which component sees an event, in which state of the
+member, and what a decision means for the others (suspending, resynchronising, leaving).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import time
+from typing import Any
+
+import attrs
+import trio
+
+from cpgbroker import __version__
+from cpgbroker.cluster import codec
+from cpgbroker.cluster.codec import (
+    STATUS_NAMES,
+    STATUS_READY,
+    Checkpoint,
+    ErrorCheck,
+    Hello,
+    Progress,
+    StopRequest,
+    UpdateRequest,
+    software_label,
+)
+from cpgbroker.cluster.membership import (
+    NEEDS_UPDATE,
+    READY,
+    ApplyToModel,
+    BecomeReady,
+    Fatal,
+    Membership,
+    NeedUpdate,
+    ResumeState,
+    SendHello,
+    StartAt,
+    member_id,
+)
+from cpgbroker.cluster.merge import Partitions
+from cpgbroker.cluster.progress import PeerProgress
+from cpgbroker.corosync.events import (
+    ConfChg,
+    CpgEvent,
+    Deliver,
+    PartitionMerge,
+    RingChangeSameMembers,
+    TotemConfChg,
+)
+from cpgbroker.errors import ClusterError
+from cpgbroker.model.admin import RAISE_MODEL_VERSION
+from cpgbroker.model.broker import Broker
+from cpgbroker.model.events import (
+    AdminCommand,
+    Changes,
+    ClientConnected,
+    ClientData,
+    MemberLeft,
+    Recovered,
+    Tick,
+)
+from cpgbroker.model.versions import NEWEST, OLDEST
+from cpgbroker.runtime.admin.admindesk import AdminDesk
+from cpgbroker.runtime.amqp.confirms import ConfirmGate
+from cpgbroker.runtime.amqp.server import Node
+from cpgbroker.runtime.config.settings import ServerConfig
+from cpgbroker.runtime.federation.federation import FederationLinks, client_context
+from cpgbroker.runtime.member.applytimes import APPLY_SAMPLE, ApplyTimes
+from cpgbroker.runtime.member.checkpoints import Checkpointer
+from cpgbroker.runtime.member.cpg_trio import TrioCpg
+from cpgbroker.runtime.member.errorchecks import ErrorChecks
+from cpgbroker.runtime.member.eventlog import EventLog
+from cpgbroker.runtime.member.lease import LAPSED, PrimaryLease
+from cpgbroker.runtime.member.multicast import Multicaster
+from cpgbroker.runtime.member.quorum_trio import TrioQuorum
+from cpgbroker.runtime.member.ringgate import VERDICT_TIMEOUT, RingGate
+from cpgbroker.runtime.member.stops import STOP_SETTLE, Stops
+from cpgbroker.runtime.member.watchdog import ApplyMark
+from cpgbroker.runtime.replication.shipping import Shipping
+from cpgbroker.runtime.replication.standby import HotStandby, primary_of
+from cpgbroker.runtime.update.giving import DeferredUpdate, Updater
+from cpgbroker.runtime.update.taking import Newcomer
+from cpgbroker.store.store import Store
+
+log = logging.getLogger("cpgbroker.member")
+
+# What this member announces in its hello: its release and the model versions it applies.
+SOFTWARE = software_label(__version__, OLDEST, NEWEST)
+
+# After quorum loss, how long clients get to read connection.close before being cut.
+SUSPEND_GRACE = 2.0
+NOT_QUORATE_TEXT = (
+    "member is not in a quorate partition; it serves again once its partition regains quorum "
+    "and it has resynchronised: use another member"
+)
+# A member that is quorate but does not serve: joining, taking a state update, or dropping
+# its state after it merged back on the smaller side of a partition.
+RESYNC_TEXT = "member is resynchronising with the cluster; it serves again soon: use another member"
+
+
+# Release 0.1.0 hashed the server version it told clients (its own) into the configuration
+# digest; every later release hashes that same value in its place.
+DIGEST_SERVER_VERSION = "0.1.0"
+
+
+def config_digest(config: ServerConfig) -> bytes:
+    """What must be equal on all members for their models to stay equal."""
+    b = config.broker
+    assert config.cluster is not None
+    relevant = attrs.asdict(
+        b,
+        # A setting added after release 0.1.0 (``metadata={"since": release}``) counts only
+        # when it is not its default: members of 0.1.0, which have no such setting, then hash
+        # the same configuration as ours.
+        filter=lambda a, v: (
+            a.name != "member_urls" and not ("since" in a.metadata and v == a.default)
+        ),
+    )
+    # The release a member names to its clients is its own, not the cluster's: hashed as
+    # release 0.1.0 hashed its own, so that members of different releases compare equal.
+    relevant["version"] = DIGEST_SERVER_VERSION
+    # The cluster's name must be one (a member naming it otherwise is refused), but release
+    # 0.1.0 had none and hashed "": the default, the group, hashes as that, so that members of
+    # both releases match; a name of its own is compared.
+    if b.cluster_name == config.cluster.group:
+        relevant["cluster_name"] = ""
+    relevant["group"] = config.cluster.group
+    # Checkpoints are voted on at the same events everywhere, or not at all.
+    relevant["checkpoint_every"] = config.cluster.checkpoint_every
+    # One mode for the whole cluster: a second primary would serve clients beside the first.
+    relevant["mode"] = config.cluster.mode
+    if config.cluster.replication != "bytes":
+        # (Only then: the digest of every configuration from before the setting is unchanged.)
+        relevant["replication"] = config.cluster.replication
+        relevant["replicate"] = config.cluster.replicate
+    # Who decides a restart, and how many serving members a durable confirm needs.
+    relevant["recover_with"] = "" if config.store is None else config.store.recover_with
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).digest()
+
+
+class ClusterNode:
+    """One incarnation of a cluster member: one CPG membership and its model."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        cpg: TrioCpg,
+        member: int,
+        *,
+        quorum: TrioQuorum | None = None,
+        conn_counter: int = 0,
+        kept: tuple[Broker, int] | None = None,
+        incarnation: int = 1,
+        updates: dict[int, dict[str, Any]] | None = None,
+        applying: ApplyMark | None = None,
+        store: Store | None = None,
+        restarted: bool = False,
+        forced: bool = False,
+    ) -> None:
+        cluster = config.cluster
+        assert cluster is not None
+        self.config = config
+        self.member = member
+        # Without a quorum handle (unit tests on an in-memory bus) nothing is gated.
+        self.quorum = quorum
+        # Set when this member stopped serving for good in this incarnation (quorum lost,
+        # or merged back on the smaller side): why, for logs, clients and status.
+        self.suspended: str | None = None
+        # Set when this member must leave the cluster: why.
+        self.failure: str | None = None
+        self.scope: trio.CancelScope | None = None
+        # Holds ring changes until votequorum's verdict on the new ring.
+        self.gate = None if quorum is None else RingGate(quorum)
+        # The model a previous incarnation held when quorum was lost, or the process recovered
+        # from its store, with its history epoch: offered in our hellos, resumed only if no
+        # member serves (the whole cluster lost quorum or stopped).
+        self.kept = kept
+        # The kept model was recovered from the store after the process (re)started: resuming
+        # it drops what a broker restart drops (``Recovered``).
+        self.restarted = restarted
+        # This member's durable store (None: memory only). It journals every applied event.
+        self.store = store
+        # Its state must not be offered again when it rejoins (it holds what the serving
+        # members do not): merged back on the smaller side, or applied an event the cluster
+        # failed while it was catching up.
+        self.discard_state = False
+        self.ready = trio.Event()
+        self.broker = Broker(config.broker)
+        # A forced boot (``--force-boot``) does not wait for the other members' stores.
+        self.forced = forced
+        # ``[store] recover_with = "majority"``: a majority of ``size`` decides a restart,
+        # and confirms that wait for the stores need that many serving.
+        self.store_quorum = (
+            cluster.size // 2 + 1
+            if config.store is not None and config.store.recover_with == "majority"
+            else 0
+        )
+        self.membership = Membership(
+            member,
+            1 if forced else cluster.size,
+            # A member with kept state announces its version; one without, the lowest it
+            # applies (what a member of an older release expects to hear).
+            OLDEST if kept is None else kept[0].version.current,
+            config_digest(config),
+            cluster.url,
+            self.store_quorum,
+            (OLDEST, NEWEST),
+        )
+        self.progress = PeerProgress(member, cluster.max_lag)
+        self.multicast = Multicaster(cpg, self.progress, self.lag, self.report)
+        send = self.multicast.send_control
+        # Hot standby shipping state changes (runtime/replication/shipping.py): the primary's
+        # clients and operators are served by its own broker, which ships what it changed; confirms
+        # and answers wait for the batch that carries them. None: the stream carries client events.
+        self.shipping = (
+            Shipping(
+                member,
+                cluster.replicate,
+                config.tick_ms,
+                self.multicast.submit_nowait,
+                lambda: self.multicast.queued_bytes,
+            )
+            if cluster.replication == "changes"
+            else None
+        )
+        shipping = self.shipping
+        self.confirms = ConfirmGate(self._event_seq if shipping is None else shipping.batch_number)
+        self.io = Node(
+            config,
+            member,
+            sequencer=self.multicast if shipping is None else shipping,
+            gate=self.confirms,
+            conn_counter=conn_counter,
+        )
+        if shipping is not None:
+            shipping.io = self.io
+        # Shipping changes: the primary keeps its clients while the ring carries its messages
+        # (runtime/member/lease.py).
+        self.lease = PrimaryLease(lambda: cpg.last_own_sent_at)
+        # A sample of how long events take to apply (runtime/member/applytimes.py).
+        self.apply_times = ApplyTimes()
+        # Operators' changes: answered once as safe as a durable confirm.
+        self.desk = (
+            AdminDesk(member, self.multicast.submit, self._event_seq, settled=self._admin_settled)
+            if shipping is None
+            else AdminDesk(
+                member, self._submit_shipped, shipping.batch_number, settled=self._admin_settled
+            )
+        )
+        self.io.desk = self.desk
+        self.broker.admin.local_member = member
+        # The federation links this member runs (runtime/federation/federation.py).
+        self.federation = FederationLinks(
+            member,
+            config.broker.server_id,
+            # Without a server id, the CPG group names the cluster upstream (stable across
+            # restarts, unlike member ids: the upstream queue must keep its name).
+            config.broker.server_id or cluster.group,
+            self.desk,
+            # Shipping changes, the primary runs every link, against its serving broker (its
+            # operators' changes and the messages links bring in are applied there).
+            lambda: self.view,
+            (lambda: self.membership.ready_members)
+            if shipping is None
+            else (lambda: [self.member]),
+            (lambda: self.serving and self.stops.halted is None)
+            if shipping is None
+            else (lambda: self.serving and self.stops.halted is None and shipping.active),
+            client_context(config.tls),
+            cluster_name=config.broker.cluster_name,
+        )
+        if shipping is not None:
+            # What held output and answers wait for, so that a batch asks to be reported.
+            shipping.waiting(self.confirms, self.desk, stored=store is not None)
+            # A push queue grows as the serving broker applies its clients' publishes.
+            shipping.on_cut = self.federation.applied
+        # Hot standby: who takes clients (runtime/replication/standby.py); None: every member does.
+        self.standby = (
+            HotStandby(member, lambda: self.membership, lambda: self.serving)
+            if cluster.mode == "hot-standby"
+            else None
+        )
+        self.eventlog = EventLog(cluster.event_log, member, incarnation)
+        self.checkpoints = Checkpointer(
+            member, cluster.checkpoint_every, send, self.eventlog, self._vouches
+        )
+        self.partitions = Partitions()
+        self.newcomer = Newcomer(member, self.membership, config.broker, send, self._install)
+        self.updater = Updater(member, incarnation, cluster.update_rate_limit, updates)
+        self.stops = Stops(member, self.multicast, self.eventlog)
+        self.errorchecks = ErrorChecks(
+            member,
+            self.membership,
+            send,
+            self.eventlog,
+            self.stops,
+            self.newcomer,
+            fail_event=self._fail_event,
+            recorded=self._report_and_digest,
+            replay=self._replay_kept,
+            resync=self._resync,
+        )
+        # Read on the hot path (one attribute load): is this member held by a round?
+        self.stall = self.errorchecks.stall
+        # The event being applied, for the watchdog's feeder thread (runtime/member/watchdog.py).
+        self.applying = ApplyMark() if applying is None else applying
+
+    # ------------------------------------------------------------------ for the process
+
+    async def submit(self, ev: Any) -> None:
+        """Take ``ev`` as this member's clients' events are taken: multicast, or (shipping
+        changes) applied by the serving broker."""
+        await self.io.submit(ev)
+
+    def guarded_tasks(self) -> list[Any]:
+        """The incarnation's tasks whose ``ClusterError`` means this member must leave."""
+        tasks = [
+            self.multicast.sender,
+            self.deliver_loop,
+            self.catch_up,
+            self.checkpoints.collect_digests,
+        ]
+        if self.shipping is not None:
+            tasks.append(self.hold_lease)
+        return tasks
+
+    async def hold_lease(self) -> None:
+        """Shipping changes: the primary's lease (runtime/member/lease.py)."""
+        shipping = self.shipping
+        assert shipping is not None
+        cluster = self.config.cluster
+        await self.lease.run(
+            lambda: shipping.active,
+            lambda: self.multicast.send_control(self.report()),
+            self._lease_lapsed,
+            None if cluster is None else cluster.netns or None,
+        )
+
+    def _lease_lapsed(self) -> None:
+        """No message of ours came back through the ring for the lease's length: another
+        member may be primary by now. Stop serving before a client can tell two apart, and
+        come back as a backup (runtime/member/lease.py, "After a lapse")."""
+        log.error(
+            "hot-standby lease lapsed: no message of ours came back through the ring for "
+            "%.2f s, another member may be primary by now: closing this member's clients",
+            self.lease.length,
+        )
+        self.suspend(f"hot-standby lease lapsed after {self.lease.length:.2f} s", LAPSED)
+
+    @property
+    def serving(self) -> bool:
+        return self.ready.is_set() and self.suspended is None
+
+    @property
+    def halted(self) -> int | None:
+        """The event a stop request stopped this member at."""
+        return self.stops.halted
+
+    @property
+    def stop_requested(self) -> trio.Event:
+        return self.stops.requested
+
+    def fail(self, reason: str) -> None:
+        """This member must leave the cluster (the process ends the incarnation)."""
+        self.failure = reason
+        self.multicast.silenced = True
+
+    def state_to_keep(self) -> tuple[Broker, int] | None:
+        """After suspension: the model to offer when rejoining (used only if nobody kept
+        serving meanwhile), with the seq of its last quorate ring."""
+        if self.discard_state:
+            return None  # the serving members' state replaces ours
+        ring = None if self.gate is None else self.gate.ring
+        if self.ready.is_set() and ring is not None:
+            return self.broker, self.epoch()
+        # Suspended before serving: still what it was offered with, unless a serving member
+        # was seen meanwhile (then that member's state replaces it, and offering the old one
+        # again could resume stale state).
+        return self.kept
+
+    def epoch(self) -> int:
+        """The history epoch of this member's state (see cluster/membership.py)."""
+        return 1 if self.store is None else self.store.epoch
+
+    def inject_fault(self, kind: str, at_seq: int, seconds: float = 0.0) -> dict[str, Any]:
+        """Make this member fail (or be slow) at event ``at_seq`` (tests; ``[cluster]
+        fault_injection``)."""
+        return self.eventlog.inject(kind, at_seq, self.broker.event_seq + 1, seconds)
+
+    async def request_stop(self, target: int, timeout: float = 10.0) -> int:
+        """Ask ``target`` (0: every member) to stop; the event seq where the request took
+        effect, once it is delivered back here."""
+        return await self.stops.request(target, self.membership.ready_members, timeout)
+
+    def on_quorum_loss(self, reason: str) -> None:
+        self.suspend(reason)
+
+    def close(self) -> None:
+        self.checkpoints.close()  # digest children of an ended incarnation
+        self.eventlog.close()
+
+    # ------------------------------------------------------------------ progress
+
+    def _event_seq(self) -> int:
+        return self.broker.event_seq
+
+    def _vouches(self) -> bool:
+        return self.suspended is None and self.stops.halted is None
+
+    def lag(self) -> int:
+        """How many events the slowest ready member is behind this one, in applying them or
+        in writing them to its store (a disk slower than the publishers pushes back too)."""
+        seq = self.broker.event_seq
+        lag = self.progress.lag(seq, self.membership.ready_members)
+        if self.store is not None:
+            lag = max(lag, seq - self.durable_seq())
+        return lag
+
+    def applied_seq(self) -> int:
+        """The last event this member vouches for (before a failed one it is stalled at)."""
+        return self.stall.applied(self.broker.event_seq)
+
+    def stable_seq(self) -> int:
+        """The highest event every ready member (this one included) is known to have
+        applied: confirms for events up to it may go out."""
+        return self.progress.stable(self.applied_seq(), self.membership.ready_members)
+
+    def durable_seq(self) -> int:
+        """The last event this member's store holds (all it applied, without a store)."""
+        applied = self.applied_seq()
+        store = self.store
+        return applied if store is None else min(applied, store.durable)
+
+    def durable_stable_seq(self) -> int:
+        """The highest event every ready member's store is known to hold: confirms of
+        persistent messages on durable queues up to it may go out."""
+        return self.progress.durable_stable(
+            self.durable_seq(), self.membership.ready_members, self.store_quorum
+        )
+
+    def report(self) -> bytes:
+        """Our progress report as of now (at least the events that asked for it)."""
+        return self._progress_report(self.applied_seq())
+
+    def _progress_report(self, seq: int) -> bytes:
+        durable = self.durable_seq()
+        self.progress.durable_reported = durable
+        return codec.encode(Progress(self.member, seq, durable))
+
+    def _stable_batches(self) -> tuple[int, int]:
+        """Shipping changes: our last batch every ready member applied, and stored."""
+        assert self.shipping is not None
+        durable = None if self.store is None else self.durable_stable_seq()
+        return self.shipping.stable_batch(self.stable_seq(), durable)
+
+    def _admin_settled(self) -> int:
+        """The highest event whose changes an operator may be told are done (see desk);
+        shipping changes: the highest of our batches."""
+        if self.shipping is not None:
+            applied, stored = self._stable_batches()
+            return applied if self.store is None else stored
+        return self.stable_seq() if self.store is None else self.durable_stable_seq()
+
+    def _release_stable(self) -> None:
+        if self.shipping is not None:
+            # Output waits for batches (runtime/replication/shipping.py).
+            applied, stored = self._stable_batches()
+            self.confirms.release(applied, self.io, None if self.store is None else stored)
+        else:
+            self.confirms.release(
+                self.stable_seq(),
+                self.io,
+                None if self.store is None else self.durable_stable_seq(),
+            )
+        if self.desk.unsettled:
+            self.desk.settle(self._admin_settled())
+
+    def on_durable(self, seq: int) -> None:
+        """The store has written (fsynced) events up to ``seq``: our durable confirms may go
+        out, and the others' wait for our report if they had any since the last one."""
+        if self.suspended is not None or self.failure is not None:
+            return
+        if self.confirms.holding or self.desk.unsettled:
+            self._release_stable()
+        if self.membership.state == READY and self.progress.durable_report_due(seq):
+            self.multicast.report_soon(False)
+        self.multicast.progress_changed()
+
+    # ------------------------------------------------------------------ delivery
+
+    async def deliver_loop(self) -> None:
+        cpg = self.multicast.cpg
+        # Bound once: the set is updated in place.
+        shunned = self.partitions.shunned
+        on_event = self._on_event
+        gate = self.gate
+        # Stream items of a ring change, held until the new ring's quorum verdict (see
+        # cluster/quorum.py): nothing delivered in an inquorate ring is ever applied.
+        held: list[CpgEvent] = []
+        batch: list[CpgEvent]
+        while True:
+            if held:
+                with trio.move_on_after(VERDICT_TIMEOUT):
+                    held += await cpg.receive_batch()
+                    batch, held = held, []
+                if held:
+                    self.suspend("the CPG ring changed but the new ring was never reported")
+                    return
+            else:
+                batch = await cpg.receive_batch()
+            for i, ev in enumerate(batch):
+                t = type(ev)
+                if t is Deliver:
+                    sender = member_id(ev.nodeid, ev.pid)  # type: ignore[union-attr]
+                    if sender in shunned:
+                        continue  # diverged in a partition; it is leaving
+                    for e in codec.decode_batch(ev.data, sender):  # type: ignore[union-attr]
+                        on_event(e, sender)
+                elif t is RingChangeSameMembers:
+                    log.info("ring re-formed with the same members ring=%s", ev.ring_id)  # type: ignore[union-attr]
+                else:
+                    if gate is not None and gate.holds(ev):
+                        # A ConfChg caused by a ring change precedes the TotemConfChg that
+                        # names the ring: hold everything from here until it has arrived.
+                        ring = next((x.ring_id for x in batch[i:] if type(x) is TotemConfChg), None)
+                        if ring is None:
+                            held = batch[i:]
+                            break
+                        if ring != gate.ring:
+                            # All of the ring change is in hand. A member frozen past the
+                            # token sees the others leave and come back in one change: if it
+                            # lost the merge, it must not apply their departure (requeue their
+                            # messages, hand them to its own consumers) first.
+                            others = self.partitions.lost_in(
+                                batch, i, list(self.membership.members)
+                            )
+                            if others is not None:
+                                self._lose_merge(others)
+                                return
+                            why = await gate.verdict(ring)
+                            if why is not None:
+                                self.suspend(why)
+                                return
+                    on_event(ev, None)
+                if self.suspended is not None:
+                    return
+            # Once per delivered batch, not per event: a confirm for another member's client
+            # waits for every member's report, so report now rather than PROGRESS_EVERY
+            # events later (our own clients' confirms need no report from us); and release
+            # what the reports received made stable.
+            if self.broker.shadow_confirms != self.progress.confirms_seen:
+                self._report_for_confirms()
+            self.io.answer_expected = False
+            if self.confirms.holding or self.desk.unsettled:
+                self._release_stable()
+            elif self.shipping is not None and self.shipping.unsettled_takes:
+                # Nothing waits, but reservations the next deliveries may use do.
+                self._stable_batches()
+            self.federation.applied()
+
+    def _report_for_confirms(self) -> None:
+        broker = self.broker
+        progress = self.progress
+        progress.confirms_seen = broker.shadow_confirms
+        if self.store is not None and not progress.confirms_moved(
+            broker.shadow_confirms,
+            broker.shadow_durable_confirms,
+            broker.event_seq,
+            self.durable_seq(),
+        ):
+            return  # our store's report releases them (on_durable)
+        if self.suspended is not None or self.membership.state != READY:
+            return
+        self.multicast.report_soon(self.io.answer_expected)
+
+    def suspend(self, reason: str, client_text: str = NOT_QUORATE_TEXT) -> None:
+        """Stop serving at once (quorum lost, or merged back on the smaller side).
+
+        Synchronous, so it takes effect before anything else runs: every local client gets
+        connection.close 320 after the output already queued for it (whole frames), no event
+        is applied any more, and this incarnation ends. Its model is discarded: it may hold
+        events the quorate side never saw. The member joins again as a newcomer once quorate.
+        """
+        if self.suspended is not None or self.failure is not None:
+            return
+        self.suspended = reason
+        self.multicast.silenced = True
+        log.error("stopping client service: %s", reason)
+        self.eventlog.write({"type": "suspend", "seq": self.broker.event_seq, "reason": reason})
+        # Output waiting to be stable never goes out: its events may be missing on the quorate
+        # side, so its confirms are not owed (the publisher treats those messages as unknown).
+        self.confirms.drop()
+        self.io.force_close(client_text, reason)
+        if self.scope is not None:
+            self.scope.cancel()
+
+    def _resync(self, rejoin: str, leave: str) -> None:
+        """This member's state cannot be trusted: with quorum it takes a fresh state update in
+        this process (``rejoin`` says why); without a quorum reader it leaves (``leave``)."""
+        if self.quorum is not None:
+            self.discard_state = True
+            self.suspend(rejoin, RESYNC_TEXT)
+            return
+        raise ClusterError(leave)
+
+    def _on_event(self, e: Any, sender: int | None) -> None:
+        """Every item of the stream passes here. A newcomer keeps what arrives after its
+        update point, to replay once the state of that point is installed."""
+        buf = self.newcomer.buffer
+        if buf is not None:
+            buf.append((e, sender))
+            if self.newcomer.installed:
+                return
+            # Until the state is installed, membership still follows the stream live (the
+            # newcomer must know who can update it if its updater fails); the model does not.
+        if sender is None:
+            self._on_cpg_item(e)
+        else:
+            self._process_event(e, sender)
+
+    def _replay(self, e: Any, sender: int | None) -> None:
+        """One buffered stream item, replayed after a state update."""
+        if sender is None:
+            self._on_cpg_item(e)
+        else:
+            self._process_event(e, sender)
+
+    def _on_cpg_item(self, ev: Any) -> None:
+        if type(ev) is ConfChg:
+            self._on_confchg(ev)
+        elif type(ev) is PartitionMerge:
+            self._on_partition_merge(ev)
+
+    def _process_event(self, e: Any, sender: int) -> None:
+        t = type(e)
+        membership = self.membership
+        if t is Hello:
+            self._on_hello(e, sender)
+            return
+        if t is UpdateRequest:
+            self._on_update_request(e)
+            return
+        if t is Progress:
+            self.progress.on_report(e.member, e.seq, e.durable)
+            self.multicast.progress_changed()
+            return
+        if t is Checkpoint:
+            if membership.state == READY:
+                self.checkpoints.on_checkpoint(e, membership.ready_members)
+            return
+        if t is ErrorCheck:
+            if membership.state == READY:
+                self.errorchecks.on_error_check(e)
+            return
+        if t is StopRequest:
+            if membership.state == READY:
+                if self.stall.stalled is not None:
+                    self.stall.hold(e, sender)  # it takes effect at its point
+                else:
+                    self._on_stop_request(e)
+            return
+        if membership.state != READY:
+            return  # not serving yet: the members that serve started from the state we lack
+        if t is Tick and sender != membership.clock_master:
+            return  # a late tick from a former clock master: every member drops it alike
+        if t is ClientData and sender == self.member:
+            self.io.read_done(e.conn)
+        if self.stops.halted is not None:
+            return  # stopped at a point of the stream: nothing after it is applied
+        if t is AdminCommand and e.op == RAISE_MODEL_VERSION:
+            # Decided here, at its point of the stream, even if an error-check round holds
+            # it: the membership goes on changing meanwhile.
+            e = self._version_verdict(e)
+        stall = self.stall
+        if stall.stalled is not None:
+            stall.hold(e, sender)
+            return
+        self._apply_stream(e, sender)
+
+    def _apply_stream(self, e: Any, sender: int) -> None:
+        """Apply one event of the stream. An exception here is an error the stream does not
+        explain (the same event applies cleanly elsewhere, or everywhere fails alike): the
+        cluster decides in an error-check round."""
+        raising = type(e) is AdminCommand and e.op == RAISE_MODEL_VERSION
+        shipping = self.shipping
+        if shipping is not None and not shipping.takes(e, sender, self.membership):
+            return
+        broker = self.broker
+        seq = broker.event_seq + 1
+        mark = self.applying
+        mark.seq = seq
+        try:
+            events = self.eventlog
+            if events.faults:
+                events.before_apply(seq)
+            # A suspended member's model is about to be discarded: nothing more reaches
+            # clients.
+            if self.suspended is None:
+                if seq & (APPLY_SAMPLE - 1):
+                    self.io.execute(broker.apply(e))
+                else:
+                    started = time.perf_counter()
+                    effects = broker.apply(e)
+                    self.apply_times.observe(time.perf_counter() - started)
+                    self.io.execute(effects)
+        except Exception as exc:
+            mark.seq = 0
+            # Counted as applied either way: the members that continue agree on the count.
+            broker.count_failed_event(seq)
+            self.errorchecks.local_error(
+                seq, f"apply-error: {type(exc).__name__}", str(exc), e, sender
+            )
+            return
+        mark.seq = 0
+        # (Shipping changes, a change batch carries the primary's version: model/replica.py.)
+        if (
+            raising or type(e) is Changes
+        ) and broker.version.current != self.membership.model_version:
+            self._set_version(broker.version.current)
+        if type(e) is ClientConnected and e.member != self.member:
+            broker.set_emit(e.conn, False)
+        elif shipping is not None:
+            shipping.applied(broker, sender, self.updater)
+        self._after_apply(e, sender)
+
+    def _version_verdict(self, e: AdminCommand) -> AdminCommand:
+        """The operator's ``cluster upgrade-finish`` carries, from here on (the store journals
+        it so, and a restart replays it so), whether every member applies the version it asks
+        for: the membership at this point of the stream decides, alike on every member."""
+        try:
+            args = json.loads(e.args)
+        except ValueError:
+            return e  # the model answers 400
+        if not isinstance(args, dict) or isinstance(args.get("refused"), str):
+            return e
+        version = args.get("version")
+        if not isinstance(version, int):
+            return e
+        refused = self.membership.refuse_version(version)
+        if refused is None:
+            return e
+        args["refused"] = refused
+        return attrs.evolve(e, args=json.dumps(args).encode())
+
+    async def _submit_shipped(self, ev: Any) -> None:
+        """An operator's change on a hot-standby primary shipping changes: applied by its
+        serving broker, which alone decides (its batches carry the version it runs)."""
+        assert self.shipping is not None
+        if type(ev) is AdminCommand and ev.op == RAISE_MODEL_VERSION:
+            ev = self._version_verdict(ev)
+        await self.shipping.submit(ev)
+
+    def _set_version(self, version: int) -> None:
+        """This member's state runs model ``version`` from here on."""
+        before = self.broker.version.current
+        self.broker.version.current = version
+        self.membership.model_version = version
+        if self.store is not None:
+            # Before the events of the new version are journaled: a release that cannot
+            # apply them never recovers this store.
+            self.store.set_model_version(version)
+        if version != before:
+            log.info(
+                "model version %d (was %d) from event %d", version, before, self.broker.event_seq
+            )
+
+    def _after_apply(self, e: Any, sender: int, failed: bool = False) -> None:
+        if self.suspended is not None:
+            # Not applied (see _apply_stream): nothing to log, report or digest.
+            return
+        store = self.store
+        if store is not None:
+            seq = self.broker.event_seq
+            err = store.record(seq, e, self.broker, failed)
+            if err is not None:
+                # The store could not write (or fsync) an event: it can no longer vouch for
+                # what this member applies. Whether the member may go on is the cluster's call
+                # (a disk that fails alone makes its member leave).
+                name = errno.errorcode.get(err.errno or 0, "EIO")
+                self.errorchecks.local_error(seq, f"store-write: {name}", str(err), e, sender)
+                return
+        events = self.eventlog
+        if events.file is not None:
+            seq = self.broker.event_seq
+            err = events.record(seq, e, sender, len(e.data) if type(e) is ClientData else 0)
+            if err is not None:
+                # This member could not record the event: the others may have. Whether it
+                # may go on is the cluster's call.
+                name = errno.errorcode.get(err.errno or 0, "EIO")
+                self.errorchecks.local_error(seq, f"store-write: {name}", str(err), e, sender)
+                return
+        self._report_and_digest()
+
+    def _report_and_digest(self) -> None:
+        seq = self.broker.event_seq
+        if self.stall.owed:
+            self.errorchecks.pay_owed(seq)
+        if seq % self.progress.every == 0:
+            self.multicast.send_control(self._progress_report(seq))
+        if seq % self.checkpoints.every == 0 and not self.broker.replication.catching_up:
+            # (A replica's state update from the back left out what consumers took while it
+            # was sent, which the others still hold at checkpoints until the replay reaches
+            # those takes: a newcomer vouches for its state once it has caught up.)
+            self.checkpoints.take(seq, self.broker)
+
+    # ------------------------------------------------------------------ membership
+
+    def _on_hello(self, e: Hello, sender: int) -> None:
+        membership = self.membership
+        was = membership.members.get(e.member)
+        newly_ready = e.status == STATUS_READY and (was is None or was.status != STATUS_READY)
+        self._act(membership.on_hello(e))
+        if newly_ready:
+            # A member that just caught up through an update: count its lag from here.
+            self.progress.newly_ready(e.member, self.broker.event_seq)
+        if self.eventlog.file is not None:
+            self.eventlog.event(
+                self.broker.event_seq,
+                "hello",
+                sender,
+                None,
+                0,
+                status=STATUS_NAMES.get(e.status, "?"),
+            )
+        if membership.state == NEEDS_UPDATE and self.newcomer.attempt is None:
+            self.newcomer.request()
+        self._check_role()
+
+    def _on_confchg(self, ev: ConfChg) -> None:
+        members, joined, left = self.partitions.view(ev)
+        self.progress.forget(left)
+        for m in ev.left:
+            log.warning(
+                "member left member=%s node=%s pid=%s reason=%s",
+                member_id(m.nodeid, m.pid),
+                m.nodeid,
+                m.pid,
+                m.reason.name,
+            )
+        for m in ev.joined:
+            log.info("member joined node=%s pid=%s", m.nodeid, m.pid)
+        self._act(self.membership.on_confchg(members, joined, left))
+        self.newcomer.members_left(left)
+        if left and self.membership.state == READY:
+            self.checkpoints.members_changed(self.membership.ready_members)
+            self.errorchecks.members_left(left)
+        self._check_role()
+
+    def _check_role(self) -> None:
+        """Shipping changes: become primary (serve a copy of the replica) when the stream
+        says so, at the same point on every member; or stop serving when it no longer does."""
+        shipping = self.shipping
+        if shipping is None or self.suspended is not None or self.failure is not None:
+            return
+        primary = primary_of(self.membership)
+        mine = (
+            self.membership.state == READY
+            and self.ready.is_set()
+            and self.stops.halted is None
+            and primary is not None
+            and primary.member == self.member
+        )
+        if mine and not shipping.active:
+            self.lease.grant(time.monotonic())
+            shipping.promote(self.broker, self.io.now_ms())
+        elif not mine and shipping.active:
+            shipping.demote()
+            self.confirms.drop()
+            assert self.standby is not None
+            why = self.standby.refusal() or "this member is no longer the hot-standby primary"
+            self.io.force_close(why, "no longer primary")
+
+    def _on_partition_merge(self, ev: PartitionMerge) -> None:
+        """Two sides of a partition merged: neither saw what the other applied meanwhile.
+        The side with more members keeps serving (on a tie, the side holding the lowest member
+        id); the other side's members leave, and until they are gone nothing they send is
+        applied. Both sides reach the same verdict: each knows both sides' members."""
+        wins, others = self.partitions.on_merge(ev, self.membership.members)
+        if wins:
+            log.error(
+                "partition healed: members %s come back from another partition with diverged "
+                "state; ignoring them until they leave",
+                others,
+            )
+            self.membership.forget(others)
+            return
+        self._lose_merge(others)
+
+    def _lose_merge(self, others: list[int]) -> None:
+        reason = (
+            "this member was partitioned from the cluster and merged back on the smaller side: "
+            "it missed events the others applied, so its state cannot be trusted"
+        )
+        # With quorum it has not served since the split; it resynchronises instead.
+        self._resync(
+            f"{reason}; rejoining through a state update (other side: {others})",
+            f"{reason}; leaving (other side: {others})",
+        )
+
+    def _act(self, actions: list[Any]) -> None:
+        for a in actions:
+            t = type(a)
+            if t is SendHello:
+                kept = self.kept
+                self.multicast.send_control(
+                    codec.encode(
+                        Hello(
+                            self.member,
+                            a.status,
+                            self.membership.model_version,
+                            self.membership.config_digest,
+                            self.membership.url,
+                            SOFTWARE,
+                            self.io.now_ms(),
+                            0 if kept is None else kept[1],
+                            0 if kept is None else kept[0].event_seq,
+                        )
+                    )
+                )
+            elif t is BecomeReady:
+                # Every member becomes ready at this same event: that is where each of them
+                # stands until it reports more (a member that never reports is then seen to lag).
+                self.progress.estimate(self.membership.ready_members, self.broker.event_seq)
+                log.info(
+                    "cluster ready members=%d clock_master=%s",
+                    len(self.membership.members),
+                    self.membership.clock_master,
+                )
+                self.ready.set()
+                self._check_role()
+            elif t is ApplyToModel:
+                if self.stops.halted is not None:
+                    continue
+                store = self.store
+                if store is not None and store.next_seq != self.broker.event_seq + 1:
+                    # Starting from a state the store does not hold (a fresh start while the
+                    # store kept a discarded state): it holds this one from here.
+                    store.replace(self.broker)
+                if self.stall.stalled is not None:
+                    self.stall.hold(a.event, 0)
+                    continue
+                self._apply_stream(a.event, 0)
+            elif t is NeedUpdate:
+                log.info("%s", a.reason)
+                self.kept = None
+                self.newcomer.request()
+            elif t is ResumeState:
+                self._resume(a.start_ms)
+            elif t is StartAt:
+                # The empty state every starting member holds: it starts at the version they
+                # agreed, before the first event.
+                self._set_version(a.version)
+            elif t is Fatal:
+                raise ClusterError(a.reason)
+
+    def _resume(self, start_ms: int) -> None:
+        """Serve again with the state kept when the whole cluster lost quorum.
+
+        Its connections are all from before the split (no client event precedes this point),
+        so each of their members is treated as gone: connections closed, unacked messages
+        requeued. Nobody else has a model yet: they take updates after this point.
+        """
+        assert self.kept is not None
+        broker, epoch = self.kept
+        self.kept = None
+        self.broker = broker
+        broker.admin.local_member = self.member
+        stale = sorted({codec.split_conn(c)[0] for c in broker.connections})
+        log.warning(
+            "resuming the state %s: epoch %s, event %s, closing the connections of %d former "
+            "members",
+            "recovered from the store" if self.restarted else "kept since quorum was lost",
+            epoch,
+            broker.event_seq,
+            len(stale),
+        )
+        if self.forced and self.store is not None:
+            # The history goes on from here without the members that did not come: a new
+            # epoch, so that it wins over their stores even where they hold more events.
+            epoch = self.store.new_epoch()
+            log.warning(
+                "FORCED BOOT: serving from this member's store alone (now epoch %d, event %d); "
+                "the other members' stores will be replaced by state updates when they join, "
+                "even if they held confirmed messages this one lacks",
+                epoch,
+                broker.event_seq,
+            )
+        self._act([ApplyToModel(MemberLeft(m)) for m in stale])
+        if self.restarted:
+            # After a restart, what AMQP does not keep across one goes (the unacked messages
+            # of the closed connections are back in their queues, marked redelivered).
+            self._act([ApplyToModel(Recovered())])
+        self._act([ApplyToModel(Tick(max(start_ms, broker.now_ms)))])
+
+    # ------------------------------------------------------------------ state update
+
+    def _on_update_request(self, e: UpdateRequest) -> None:
+        if e.member == self.member:
+            self.newcomer.on_request(e)
+            return
+        membership = self.membership
+        me = membership.members.get(self.member)
+        newcomer = membership.members.get(e.member)
+        if (
+            e.updater != self.member
+            or membership.state != READY
+            or me is None
+            or me.status != STATUS_READY
+            or newcomer is None
+            # A newcomer whose hello was refused, or whose release cannot apply the model
+            # version of our state (the cluster moved up after it heard a serving member's
+            # older hello), never gets a state it would apply by other rules.
+            or newcomer.status is None
+            or not newcomer.versions[0] <= self.broker.version.current <= newcomer.versions[1]
+            # A stopping member's model ends before the request's point: the newcomer asks
+            # another member once this one has left.
+            or self.stops.halted is not None
+        ):
+            if newcomer is not None and e.updater == self.member and newcomer.status is not None:
+                log.warning(
+                    "no state update for member %s (%s): this state runs model version %d",
+                    e.member,
+                    newcomer.software or "unknown software",
+                    self.broker.version.current,
+                )
+            return
+        members = membership.export()
+        if self.stall.stalled is not None:
+            # Our model is behind the stream until the round is decided: take the snapshot
+            # when the replay reaches this request, with the membership of the request's
+            # point (if we leave instead, the newcomer asks another member).
+            self.stall.hold(DeferredUpdate(e, members), e.member)
+            return
+        self._fork_update(e, members)
+
+    def _fork_update(self, e: UpdateRequest, members: list[list[Any]]) -> None:
+        """Send our state to the newcomer ``e`` names; a replica (shipping changes) sends
+        each queue from its back and leaves out what consumers take meanwhile."""
+        lifo = self.shipping is not None
+        self.updater.fork(e, members, self.broker, lifo)
+        if lifo:
+            self.broker.replication.released = []
+
+    def _install(self, broker: Broker, members: list[list[Any]]) -> None:
+        """The newcomer installs the state of its update point."""
+        self.broker = broker
+        self.membership.model_version = broker.version.current
+        broker.admin.local_member = self.member
+        if self.shipping is not None:
+            # The update left out what was consumed while it was sent: the replay finds
+            # records for messages it does not have (model/replica.py).
+            broker.replication.catching_up = True
+        if self.store is not None:
+            # Whatever the store held (older, or as fresh as the resumed member's state) is
+            # replaced by what the cluster serves.
+            self.store.replace(broker)
+        self.membership.adopt(members)
+        self.progress.estimate(self.membership.ready_members, broker.event_seq)
+
+    async def catch_up(self) -> None:
+        """Replay what was delivered after the update point, then say we serve."""
+        await self.newcomer.catch_up(self._replay)
+        self.broker.replication.catching_up = False
+        self._act([SendHello(STATUS_READY)])
+
+    # ------------------------------------------------------------------ error-check rounds
+
+    def _fail_event(self, e: Any, sender: int) -> None:
+        """The cluster failed event ``e`` alike: close its connection, as every member that
+        failed it does, and go on as after an applied event."""
+        self.io.execute(
+            self.broker.fail_event(e, "internal error while processing this connection")
+        )
+        self._after_apply(e, sender, failed=True)
+        if self.shipping is not None and self.shipping.failed(e, sender):
+            log.error("a change batch of this primary failed on every member: leaving")
+            self.fail("a change batch of this primary failed to apply on every member")
+
+    def _replay_kept(self, e: Any, sender: int) -> None:
+        """One item kept while this member was held by an error-check round."""
+        t = type(e)
+        if t is DeferredUpdate:
+            self._fork_update(e.request, e.members)
+        elif t is StopRequest:
+            self._on_stop_request(e)
+        else:
+            self._apply_stream(e, sender)
+
+    # ------------------------------------------------------------------ stop requests
+
+    def _on_stop_request(self, e: StopRequest) -> None:
+        self.stops.on_request(e, self.broker, self.report)
+
+    async def finish_stop(self) -> None:
+        """After a stop request: let confirms up to the stop point out (every ready member
+        reports it has applied them), then tell the clients to go."""
+        halted = self.stops.halted
+        assert halted is not None
+        with trio.move_on_after(STOP_SETTLE if self.confirms.holding else 0):
+            while self.stable_seq() < halted or (
+                self.store is not None and self.durable_stable_seq() < halted
+            ):
+                await self.multicast.wait_progress()
+        self._release_stable()
+        text = self.stops.client_text()
+        # A cluster stop stops every member: there is no other member to send the clients to.
+        self.io.force_close(
+            text if self.stops.scope == "cluster" else f"{text}: use another member", text
+        )
+
+    # ------------------------------------------------------------------ time and status
+
+    async def cluster_ticker(self) -> None:
+        interval = self.config.tick_ms / 1000
+        membership = self.membership
+        events = self.eventlog
+        while True:
+            await trio.sleep(interval)
+            # Written in 64 KiB chunks otherwise: a kill -9 would lose far more than a tick.
+            events.flush()
+            if (
+                membership.state == READY
+                and membership.clock_master == self.member
+                # Shipping changes, the serving broker keeps its own time
+                # (runtime/replication/shipping.py).
+                and self.shipping is None
+            ):
+                await self.multicast.submit(Tick(self.io.now_ms()))
+
+    @property
+    def view(self) -> Broker:
+        """The broker the management API and /metrics read: the serving broker of a primary
+        shipping changes (its clients, consumers and unacked messages), else the stream's."""
+        if self.shipping is not None and self.shipping.broker is not None:
+            return self.shipping.broker
+        return self.broker
+
+    def state_name(self) -> str:
+        if self.suspended is not None:
+            return "suspended"
+        if self.stops.halted is not None:
+            return "stopping"
+        if self.stall.stalled is not None:
+            return "error-check"
+        if self.membership.state == NEEDS_UPDATE:
+            return "updating" if self.newcomer.progress is not None else "needs-update"
+        if self.newcomer.installed and not self.ready.is_set():
+            return "catching-up"
+        return self.membership.state
