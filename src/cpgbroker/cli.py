@@ -284,6 +284,21 @@ def _admin_target(ns: argparse.Namespace) -> AdminTarget:
     )
 
 
+def _seed(path: str | None) -> bytes | None:
+    """``--seed-file``'s bytes (None without one): the key material of `cluster init` and
+    `cluster certs` derives from them, so too few would make guessable keys."""
+    from pathlib import Path
+
+    from cpgbroker.errors import ConfigError
+
+    if not path:
+        return None
+    seed = Path(path).read_bytes()
+    if len(seed) < 32:
+        raise ConfigError(f"--seed-file {path} holds fewer than 32 bytes")
+    return seed
+
+
 def _cluster_init(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -291,9 +306,7 @@ def _cluster_init(ns: argparse.Namespace) -> int:
     from cpgbroker.errors import ConfigError
 
     try:
-        seed = Path(ns.seed_file).read_bytes() if ns.seed_file else None
-        if seed is not None and len(seed) < 32:
-            raise ConfigError(f"--seed-file {ns.seed_file} holds fewer than 32 bytes")
+        seed = _seed(ns.seed_file)
         opts = init.InitOptions(
             nodes=tuple(init.parse_node(n) for n in ns.node),
             cluster_name=ns.name,
@@ -333,7 +346,7 @@ def _cluster_certs(ns: argparse.Namespace) -> int:
     from cpgbroker.errors import ConfigError
 
     try:
-        seed = Path(ns.seed_file).read_bytes() if ns.seed_file else None
+        seed = _seed(ns.seed_file)
         opts = init.InitOptions(
             nodes=tuple(init.parse_node(n) for n in ns.node),
             seed=seed,

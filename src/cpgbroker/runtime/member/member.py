@@ -1135,11 +1135,7 @@ class ClusterNode:
             ):
                 await self.multicast.wait_progress()
         self._release_stable()
-        text = self.stops.client_text()
-        # A cluster stop stops every member: there is no other member to send the clients to.
-        self.io.force_close(
-            text if self.stops.scope == "cluster" else f"{text}: use another member", text
-        )
+        self.io.force_close(self.stops.close_text(), self.stops.client_text())
 
     # ------------------------------------------------------------------ time and status
 

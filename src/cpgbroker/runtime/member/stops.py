@@ -94,3 +94,9 @@ class Stops:
     def client_text(self) -> str:
         """Why this member's clients are told to go."""
         return "cluster shutdown" if self.scope == "cluster" else "member stopped by an operator"
+
+    def close_text(self) -> str:
+        """What the clients' connection.close 320 says: a member stop sends them to the
+        others; a cluster stop stops every member, so there is no other to name."""
+        text = self.client_text()
+        return text if self.scope == "cluster" else f"{text}: use another member"
