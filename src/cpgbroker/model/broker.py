@@ -61,7 +61,7 @@ from __future__ import annotations
 from cpgbroker.errors import ConnectionError_, InvariantError, ReplyCode
 from cpgbroker.model import entities as E
 from cpgbroker.model.admin import Admin
-from cpgbroker.model.changes import ChangeLog
+from cpgbroker.model.changes import ChangeLog, Recording
 from cpgbroker.model.channel import Channels
 from cpgbroker.model.config import BrokerConfig
 from cpgbroker.model.confirms import Confirms
@@ -122,7 +122,10 @@ class Broker:
         self.connections: dict[int, Connection] = {}
         self.clock = Clock()
         self.out = Output(self.clock)
-        self.mark = MemoryMark(cfg, self.connections, self.out)
+        # Where a hot-standby primary's change log is (model/changes.py): shared by the
+        # components that tell it what changed; see record_changes.
+        self._changes = Recording()
+        self.mark = MemoryMark(cfg, self.connections, self.out, self._changes)
         self.permissions = Permissions()
         self.users = Users(cfg.users, self.permissions)
         self.policies = Policies(cfg.policies)
@@ -139,6 +142,7 @@ class Broker:
             peer_exchange=bool(cfg.server_id),
             replicated=cfg.replicated,
             version=self.version,
+            changes=self._changes,
         )
         self.confirms = Confirms(self.out)
         self.flow = QueueFlow(cfg.queue_flow_messages, self.out, self.mark)
@@ -154,6 +158,7 @@ class Broker:
             self.flow,
             self.permissions,
             self.version,
+            self._changes,
         )
         self.topology.on_failover_bind = self.delivery.publish_members
         self.delivery.push_to = self._push_queues
@@ -174,6 +179,7 @@ class Broker:
             self.consumers,
             self.confirms,
             self.transactions,
+            self._changes,
         )
         self.timeouts.close_channel = self.channels.channel_error
         self.conns = Connections(
@@ -204,9 +210,17 @@ class Broker:
             self.version,
         )
         # A hot-standby backup applies the primary's change batches (model/replica.py).
-        self.replication = Replication(self)
-        # A hot-standby primary's change log (model/changes.py): see record_changes.
-        self._changes: ChangeLog | None = None
+        self.replication = Replication(
+            self.topology,
+            self.delivery,
+            self.mark,
+            self.clock,
+            self.out,
+            self.users,
+            self.policies,
+            self.federation,
+            self.version,
+        )
         # Bound once: apply routes every event through these.
         self._on_data = self.conns.on_data
         self._on_do_output = self.delivery.on_do_output
@@ -265,13 +279,8 @@ class Broker:
         # Ticks only delete queues (which say so) and close connections and channels; every
         # other kind of event but client data and do-output may change definitions
         # (model/changes.py).
-        if (
-            self._changes is not None
-            and t is not ClientData
-            and t is not DoOutput
-            and t is not Tick
-        ):
-            self._changes.structural = True
+        if t is not ClientData and t is not DoOutput and t is not Tick:
+            self._changes.definitions_may_change()
         return self._flush()
 
     def fail_event(self, event: Event, text: str) -> list[Effect]:
@@ -316,13 +325,11 @@ class Broker:
     def record_changes(self, log: ChangeLog | None) -> None:
         """Tell ``log`` what this broker changes from now on (None: stop). A hot-standby
         primary ships its records to the backups instead of its clients' bytes."""
-        self._changes = log
-        self.delivery.changes = log
-        self.mark.changes = log
+        self._changes.log = log
 
     @property
     def changes(self) -> ChangeLog | None:
-        return self._changes
+        return self._changes.log
 
     def set_emit(self, conn_id: int, emit: bool) -> None:
         """Mark a connection as this replica's own (emit output) or a shadow (discard)."""
@@ -397,9 +404,9 @@ class Broker:
         disk_alarms: list[int],
     ) -> None:
         """Install the counters of a snapshot (``snapshot.Restorer``)."""
-        self.clock.now_ms = now_ms
+        self.clock.set(now_ms)
         self.event_seq = event_seq
-        self.delivery.msg_seq = msg_seq
+        self.delivery.set_msg_seq(msg_seq)
         mark = self.mark
         mark.queued_bytes = queued_bytes
         mark.blocked = blocked

@@ -9,7 +9,8 @@ queues, bindings, users, policies, federation) and the messages in the queues. C
 channels, consumers and confirms die with the primary, so they are never shipped.
 
 A :class:`ChangeLog` attached to a broker (:meth:`Broker.record_changes`) is told, by the few
-places of the model where a message's place in a queue changes, what happened to it:
+places of the model where a message's place in a queue changes, what happened to it; those
+components find it in the broker's one :class:`Recording`:
 
 =============  ==========================================================================
 record         when
@@ -17,7 +18,9 @@ record         when
 ``created``    a queue was declared (``Topology.q_declare``)
 ``enqueued``   a message joined a queue (``Delivery.enqueue``)
 ``delivered``  it went to a consumer or basic.get that must acknowledge it
-``requeued``   it came back (nack/reject with requeue, recover, a closed channel)
+               (``Delivery.record_delivery``)
+``requeued``   it came back (nack/reject with requeue, recover, a closed channel):
+               ``Delivery.requeue``
 ``released``   it left the queue for good (acked, no-ack delivery, dropped, expired,
                dead-lettered, purged): ``MemoryMark.release``
 ``deleted``    a queue was deleted, whatever the cause (``Topology.delete_queue``)
@@ -41,7 +44,7 @@ What is shipped is chosen here, by :attr:`replicate`:
 * ``"definitions"``: no message at all, only the definitions.
 
 The log holds records as tuples until the runtime takes them (:meth:`take`), once per batch;
-encoding them is ``model/shipping.py``'s. Determinism: the log reads nothing but what the model
+encoding them is ``model/changebatch.py``'s. Determinism: the log reads nothing but what the model
 hands it, and the records are in the order the model made the changes.
 
 **Elision.** A message that joins a queue and leaves it again between two takes (a consumer
@@ -314,3 +317,22 @@ class ChangeLog:
             self._reserved = {k: t for k, t in self._reserved.items() if k[0] is not q}
         if ships_queue(q) and self.replicate != "definitions":
             self.records.append((DELETED, q))
+
+
+class Recording:
+    """Where the components that change queues and definitions (``Topology``, ``Delivery``,
+    ``MemoryMark``, ``Channels``) find the change log their broker records into: one per
+    broker, given to each of them when it is built, so that attaching a log
+    (``Broker.record_changes``) is one assignment and no component reaches into another for
+    it. ``log`` is None while nothing records (every broker but a hot-standby primary's)."""
+
+    __slots__ = ("log",)
+
+    def __init__(self) -> None:
+        self.log: ChangeLog | None = None
+
+    def definitions_may_change(self) -> None:
+        """What is being applied may change the definitions (module docstring): the next
+        batch compares them with those last shipped."""
+        if self.log is not None:
+            self.log.structural = True

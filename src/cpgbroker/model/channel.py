@@ -36,6 +36,7 @@ from pamqp.exceptions import PAMQPException
 
 from cpgbroker.errors import AMQPError, ChannelError, ConnectionError_, ReplyCode
 from cpgbroker.model import entities as E
+from cpgbroker.model.changes import Recording
 from cpgbroker.model.confirms import Confirms
 from cpgbroker.model.consumers import Consumers
 from cpgbroker.model.delivery import Delivery
@@ -193,7 +194,15 @@ _BINDS = frozenset({commands.Queue.Bind.index, commands.Exchange.Bind.index})
 
 
 class Channels:
-    __slots__ = ("_confirms", "_consumers", "_delivery", "_handlers", "_limits", "_out")
+    __slots__ = (
+        "_changes",
+        "_confirms",
+        "_consumers",
+        "_delivery",
+        "_handlers",
+        "_limits",
+        "_out",
+    )
 
     def __init__(
         self,
@@ -203,8 +212,12 @@ class Channels:
         consumers: Consumers,
         confirms: Confirms,
         transactions: Transactions,
+        changes: Recording,
     ) -> None:
         self._out = out
+        # Where a hot-standby primary's change log is (model/changes.py): told of methods
+        # that may change the definitions (``_STRUCTURAL``).
+        self._changes = changes
         self._delivery = delivery
         self._consumers = consumers
         self._confirms = confirms
@@ -313,9 +326,7 @@ class Channels:
             return
         m = decode_method(payload, index)
         if index in _STRUCTURAL:
-            changes = self._delivery.changes
-            if changes is not None:
-                changes.structural = True
+            self._changes.definitions_may_change()
         try:
             handler(conn, channel, m)
         except AMQPError as e:

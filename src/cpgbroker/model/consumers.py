@@ -8,7 +8,7 @@ ranked by x-priority, taken away by cancel, channel close or queue delete) and t
 settlement of unacked deliveries (``Channel.unacked``: tag -> (queue, entry, consumer)).
 Settling is the one place a delivery ends: an ack releases the message (memory mark), a
 nack or reject without requeue drops it (dead-lettering it if the queue says so), and a
-requeue puts it back at its original place in the queue (``entities.put_back``), counted
+requeue puts it back at its original place in the queue (``Delivery.requeue``), counted
 against a quorum queue's delivery limit. After a settlement the queues it touched are
 dispatched again (delivery owns dispatch), so freed prefetch is used in the same event.
 
@@ -42,7 +42,6 @@ from cpgbroker.model.entities import (
     TxNack,
     Unacked,
     detach_unacked,
-    put_back,
 )
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output
@@ -301,17 +300,13 @@ class Consumers:
             self._topology.ttl_queues.note(q)
         ch.next_tag += 1
         tag = ch.next_tag
-        changes = self._delivery.changes
-        if changes is not None and conn.emit and changes.delivery_waits(q, e):
-            # Asked before a no_ack get releases it (runtime/replication/shipping.py, "Deliveries").
-            conn.delivery_waits = True
+        # (Before a no_ack get releases it: runtime/replication/shipping.py, "Deliveries".)
+        self._delivery.record_delivery(conn, q, e, not m.no_ack)
         if m.no_ack:
             self._release(q, e)
         else:
             ch.unacked[tag] = (q, e, None, now)
             q.unacked += 1
-            if changes is not None:
-                changes.delivered(q, e)
             if ch.ack_q is not q:
                 self._delivery.on_unacked(ch, q)
         conn.last_tx_ms = now
@@ -350,10 +345,7 @@ class Consumers:
                 if delivery.over_delivery_limit(q, e):
                     over.append((q, e))
                     continue
-                e.redelivered = True
-                put_back(msgs, e)
-                if delivery.changes is not None:
-                    delivery.changes.requeued(q, e)
+                delivery.requeue(q, e)
                 delivery.track_ttl(q, e)
             delivery.dead_letter_over_limit(over)
         elif ackmode == "reject_requeue_false":
@@ -470,10 +462,7 @@ class Consumers:
                 if delivery.over_delivery_limit(q, e):
                     over.append((q, e))
                     continue
-                e.redelivered = True
-                put_back(q.messages, e)
-                if delivery.changes is not None:
-                    delivery.changes.requeued(q, e)
+                delivery.requeue(q, e)
                 delivery.track_ttl(q, e)
             delivery.dead_letter_over_limit(over)
             touched.reverse()
@@ -524,10 +513,7 @@ class Consumers:
             if delivery.over_delivery_limit(q, e):
                 over.append((q, e))
                 continue
-            e.redelivered = True
-            put_back(q.messages, e)
-            if delivery.changes is not None:
-                delivery.changes.requeued(q, e)
+            delivery.requeue(q, e)
         delivery.dead_letter_over_limit(over)
         for q in reversed(touched):
             if q.messages:

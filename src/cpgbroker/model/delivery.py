@@ -42,7 +42,7 @@ from pamqp import commands
 
 from cpgbroker.errors import ChannelError, ConnectionError_, ReplyCode
 from cpgbroker.model import entities as E
-from cpgbroker.model.changes import ChangeLog
+from cpgbroker.model.changes import Recording
 from cpgbroker.model.config import BrokerConfig
 from cpgbroker.model.confirms import Confirms
 from cpgbroker.model.deadletter import (
@@ -60,6 +60,7 @@ from cpgbroker.model.entities import (
     PendingPublish,
     Queue,
     TxPublish,
+    put_back,
 )
 from cpgbroker.model.events import WantOutput
 from cpgbroker.model.exchange import Exchange
@@ -108,6 +109,7 @@ def _over(q: Queue, size: int) -> bool:
 
 class Delivery:
     __slots__ = (
+        "_changes",
         "_clock",
         "_confirm_publish",
         "_connections",
@@ -125,7 +127,6 @@ class Delivery:
         "_ttl_queues",
         "_version",
         "_vhosts",
-        "changes",
         "msg_seq",
         "on_unacked",
         "push_to",
@@ -144,6 +145,7 @@ class Delivery:
         flow: QueueFlow,
         permissions: Permissions,
         version: ModelVersion,
+        changes: Recording,
     ) -> None:
         self.msg_seq = 0
         # The cluster's model version (read at every use: it moves up at an event).
@@ -170,11 +172,18 @@ class Delivery:
         self.push_to: Callable[[VHost, Exchange], list[Queue]] | None = None
         # The write check's results (permissions.py): a hit is the whole per-message cost.
         self._published = permissions.published
-        # A hot-standby primary's change log (model/changes.py; set by the broker).
-        self.changes: ChangeLog | None = None
+        # Where a hot-standby primary's change log is (model/changes.py): told what joins a
+        # queue, goes to a consumer and comes back (``enqueue``, ``record_delivery``,
+        # ``requeue``).
+        self._changes = changes
         # A delivery to ack from another queue than its channel's last one (or its first):
         # consumer timeouts look at it (model/consumertimeout.py; set by the broker).
         self.on_unacked: Callable[[Channel, Queue], None] = _untimed
+
+    def set_msg_seq(self, msg_seq: int) -> None:
+        """The message counter is ``msg_seq`` (a snapshot's, or the primary's from each change
+        batch: model/replica.py): the next message published gets the id after it."""
+        self.msg_seq = msg_seq
 
     # ------------------------------------------------------------------ publishing
 
@@ -539,9 +548,31 @@ class Delivery:
         q.ready_bytes += size
         q.published_total += 1
         self._mark.queued_bytes += size
-        if self.changes is not None:
-            self.changes.enqueued(q, e)
+        log = self._changes.log
+        if log is not None:
+            log.enqueued(q, e)
         return True
+
+    def record_delivery(self, conn: Connection, q: Queue, e: Entry, acked: bool) -> None:
+        """``e`` was just taken from ``q`` for ``conn`` (a consumer's delivery or a basic.get;
+        ``acked``: one the client must acknowledge), before a no-ack delivery releases it:
+        tell the change log, and whether the client may see it only once its batch is stable
+        (runtime/replication/shipping.py, "Deliveries")."""
+        log = self._changes.log
+        if log is not None:
+            if conn.emit and log.delivery_waits(q, e):
+                conn.delivery_waits = True
+            if acked:
+                log.delivered(q, e)
+
+    def requeue(self, q: Queue, e: Entry) -> None:
+        """``e``, delivered from ``q``, goes back to its place there, flagged redelivered
+        (nack or reject with requeue, recover, a closed channel, the management API's get)."""
+        e.redelivered = True
+        put_back(q.messages, e)
+        log = self._changes.log
+        if log is not None:
+            log.requeued(q, e)
 
     def track_ttl(self, q: Queue, e: Entry) -> None:
         """``e`` is back among ``q``'s ready messages: ticks must look at ``q`` if it expires."""
@@ -769,19 +800,14 @@ class Delivery:
         conn.credit -= 1
         q.delivered_total += 1
         now = self._clock.now_ms
-        changes = self.changes
-        if changes is not None and conn.emit and changes.delivery_waits(q, e):
-            # Asked before a no_ack delivery releases it (runtime/replication/shipping.py,
-            # "Deliveries").
-            conn.delivery_waits = True
+        if self._changes.log is not None:
+            self.record_delivery(conn, q, e, not c.no_ack)
         if c.no_ack:
             self._release(q, e)
         else:
             ch.unacked[tag] = (q, e, c, now)
             c.unacked += 1
             q.unacked += 1
-            if self.changes is not None:
-                self.changes.delivered(q, e)
             if ch.ack_q is not q:
                 # The channel's first delivery to ack, or one from another queue than its
                 # last: its consumer timeout may start or get shorter (consumertimeout.py).

@@ -24,7 +24,7 @@ from __future__ import annotations
 from pamqp import commands
 
 from cpgbroker.model import entities as E
-from cpgbroker.model.changes import ChangeLog
+from cpgbroker.model.changes import Recording
 from cpgbroker.model.config import BrokerConfig
 from cpgbroker.model.entities import Connection, Entry, Queue
 from cpgbroker.model.events import Throttle
@@ -33,10 +33,10 @@ from cpgbroker.model.output import Output
 
 class MemoryMark:
     __slots__ = (
+        "_changes",
         "_connections",
         "_out",
         "blocked",
-        "changes",
         "disk_alarms",
         "high",
         "low",
@@ -45,7 +45,11 @@ class MemoryMark:
     )
 
     def __init__(
-        self, config: BrokerConfig, connections: dict[int, Connection], out: Output
+        self,
+        config: BrokerConfig,
+        connections: dict[int, Connection],
+        out: Output,
+        changes: Recording,
     ) -> None:
         self.queued_bytes = 0
         # Publishers are blocked (either cause); above the memory mark (until below ``low``).
@@ -58,18 +62,30 @@ class MemoryMark:
         self.low = config.high_watermark_bytes * config.low_watermark_ratio
         self._connections = connections
         self._out = out
-        # A hot-standby primary's change log (model/changes.py), told of every release.
-        self.changes: ChangeLog | None = None
+        # Where a hot-standby primary's change log is (model/changes.py), told of every
+        # release.
+        self._changes = changes
 
     def release(self, q: Queue, e: Entry) -> None:
         """``e`` left ``q`` for good (acked, dropped, purged, dead-lettered elsewhere)."""
         size = len(e.msg.body)
         q.ready_bytes -= size
         self.queued_bytes -= size
-        if self.changes is not None:
-            self.changes.released(q, e)
+        log = self._changes.log
+        if log is not None:
+            log.released(q, e)
         if self.memory_blocked and self.queued_bytes < self.low:
             self.set_blocked(False)
+
+    def add(self, size: int) -> None:
+        """``size`` body bytes joined a queue without a publish (a backup applying a change
+        batch: model/replica.py); publishers are blocked by the primary's mark, not here."""
+        self.queued_bytes += size
+
+    def recount(self, queued_bytes: int) -> None:
+        """The queues hold ``queued_bytes`` in all (a backup installing the primary's
+        definitions: model/replica.py)."""
+        self.queued_bytes = queued_bytes
 
     def check(self) -> None:
         """After publishing: block publishers if the queues went above the mark."""

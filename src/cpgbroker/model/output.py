@@ -53,6 +53,11 @@ class Clock:
     def __init__(self) -> None:
         self.now_ms = 0
 
+    def set(self, now_ms: int) -> None:
+        """Cluster time is ``now_ms``, as another broker says (a backup takes the primary's
+        from each change batch: model/replica.py); ticks clamp in the broker instead."""
+        self.now_ms = now_ms
+
 
 def shortstr(value: str) -> bytes:
     """An AMQP shortstr: at most 255 bytes of UTF-8 (what the wire allows is what we hold)."""
@@ -137,6 +142,14 @@ class Output:
             self.shadow_confirms += 1
             if conn.id in self._durable:
                 self.shadow_durable_confirms += 1
+
+    def shadow_confirmed(self, durable: bool) -> None:
+        """Another member's client waits for a confirm this member reports once it applied the
+        event (``durable``: once its store holds it too): a backup's change batch that says so
+        (model/replica.py)."""
+        self.shadow_confirms += 1
+        if durable:
+            self.shadow_durable_confirms += 1
 
     def admin_answered(self, shadow: bool) -> None:
         """An admin command was answered (model/admin.py); ``shadow``: another member's

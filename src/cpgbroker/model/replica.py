@@ -35,13 +35,15 @@ A backup does per message what appending to a deque and removing from it do, plu
 the record: no frame parsing, routing, consumer or channel bookkeeping
 (``bench/shipping_bench.py``).
 
-The batch encoding is fixed-layout and versioned by its first byte (``shipping.encode_batch``
-writes it): a batch crosses the network to members that may run another build, so no pickle
-or marshal. A batch that does not decode or does not apply is an ``InvariantError``: the
-member stops rather than run diverged.
+The batch's layout is ``model/changebatch.py``'s, which reads it and hands this component
+each record in turn. A batch that does not decode or does not apply is an
+``InvariantError``: the member stops rather than run diverged.
 
 Owns: an index of the broker's messages by id (derived: rebuilt from a queue when missing),
-and the fronts of its queues.
+and the fronts of its queues. Changes, through their methods, the components a batch
+writes: the topology (queues declared, deleted; the definitions), the memory mark (queued
+bytes), delivery (the message counter), the clock, the output (shadow confirms), users,
+policies, federation and the model version; queues' messages are the entities' own.
 """
 
 from __future__ import annotations
@@ -53,53 +55,76 @@ from collections.abc import Iterable
 from typing import Any
 
 from cpgbroker.errors import InvariantError
-from cpgbroker.model.changes import CREATED, DELETED, DELIVERED, ENQUEUED, RELEASED, REQUEUED
+from cpgbroker.model import changebatch
 from cpgbroker.model.config import Policy
+from cpgbroker.model.delivery import Delivery
 from cpgbroker.model.entities import Entry, Message, PriorityMessages, Queue
-from cpgbroker.model.federation import Upstream
+from cpgbroker.model.federation import Federation, Upstream
+from cpgbroker.model.memory import MemoryMark
+from cpgbroker.model.output import Clock, Output
 from cpgbroker.model.plain import decode, queue_from_meta, restore_user, vhost_from_part
-from cpgbroker.model.versions import OLDEST
-
-BATCH_FORMAT = 1
-
-# Names a queue for the records after it (a queue the batch did not declare).
-NAME_KIND = 0
-HEAD_S = struct.Struct(">BQQB")  # format, msg_seq, now_ms, flags
-F_DEFINITIONS = 1  # the definitions follow the head
-F_CONFIRMS = 2  # a client waits for a confirm of this batch: report it at once
-F_DURABLE = 4  # ... a confirm that waits for every store: report it once it is stored
-# ... and output waits for it to be applied only (a delivery, a transient message's confirm):
-# report it applied at once too, not only once stored. Release 0.1.0 ignores the bit (and so
-# reports such a batch once stored: later, never wrong).
-F_APPLIED = 8
-LEN_S = struct.Struct(">I")
-NAMED_S = struct.Struct(">BIHH")  # kind, ref, vhost length, name length
-CREATED_S = struct.Struct(">BII")  # kind, ref, metadata length (then snapshot.encode of it)
-REF_S = struct.Struct(">BI")  # kind, ref (deleted)
-REF_ID_S = struct.Struct(">BIQ")  # kind, ref, message id (delivered, released)
-REQUEUED_S = struct.Struct(">BIQBI")  # + redelivered, delivery count
-# kind, ref, message id, expires_at (-1: none), whether the message follows: when it is new
-# in this batch, its delivery mode, expiration (-1: none), where its header table is in the
-# header (start and end, 0 and 0: none; not parsed again on every backup), the lengths of
-# exchange, routing key, header and body, then those bytes.
-ENQUEUED_S = struct.Struct(">BIQqB")
-MESSAGE_S = struct.Struct(">BqIIBBII")
+from cpgbroker.model.policies import Policies
+from cpgbroker.model.topology import Topology
+from cpgbroker.model.users import Users
+from cpgbroker.model.versions import OLDEST, ModelVersion
 
 
 class Replication:
     """Applies change batches to the broker it belongs to: a hot-standby backup's, which
-    has no connections (``Broker.apply`` of :class:`~.events.Changes`)."""
+    has no connections (``Broker.apply`` of :class:`~.events.Changes`). It is the
+    :class:`~.changebatch.Records` that ``changebatch.decode`` hands a batch's records to."""
 
-    __slots__ = ("_front", "_index", "_owner", "catching_up", "released")
+    __slots__ = (
+        "_clock",
+        "_delivery",
+        "_federation",
+        "_front",
+        "_index",
+        "_mark",
+        "_out",
+        "_policies",
+        "_queued",
+        "_refs",
+        "_release",
+        "_topology",
+        "_users",
+        "_version",
+        "catching_up",
+        "released",
+    )
 
-    def __init__(self, owner: Any) -> None:
-        # The broker (typed Any: it imports this module, which must not import it back).
-        self._owner = owner
+    def __init__(
+        self,
+        topology: Topology,
+        delivery: Delivery,
+        mark: MemoryMark,
+        clock: Clock,
+        out: Output,
+        users: Users,
+        policies: Policies,
+        federation: Federation,
+        version: ModelVersion,
+    ) -> None:
+        self._topology = topology
+        self._delivery = delivery
+        self._mark = mark
+        # Bound once: these run per message.
+        self._queued = mark.add
+        self._release = mark.release
+        self._clock = clock
+        self._out = out
+        self._users = users
+        self._policies = policies
+        self._federation = federation
+        self._version = version
         # (vhost, queue) -> message id -> entry; derived: built from the queue when missing.
         self._index: dict[tuple[str, str], dict[int, Entry]] = {}
         # (vhost, queue) -> the queue's front (module docstring): message id -> entry, in
         # queue order. Counted in ``Queue.unacked``.
         self._front: dict[tuple[str, str], dict[int, Entry]] = {}
+        # While a batch is applied: its refs -> the queue, its index of messages by id and its
+        # front (model/changebatch.py); empty between batches.
+        self._refs: dict[int, tuple[Queue, dict[int, Entry], dict[int, Entry]]] = {}
         # Replaying the stream after a state update that left out messages consumed while
         # it was sent (snapshot.parts, ``gone``): a record for a message that is not here
         # is for one of those, and done already. Otherwise such a record is a divergence.
@@ -161,7 +186,7 @@ class Replication:
     def fold_all(self) -> None:
         """Every queue's front back into its messages (a restart from the stores drops what
         is transient from whole queues: ``Recovered``)."""
-        for vh in self._owner.vhosts.values():
+        for vh in self._topology.vhosts.values():
             for q in vh.queues.values():
                 self.fold(q)
         self._front.clear()
@@ -181,178 +206,118 @@ class Replication:
             self._apply(batch)
         except (KeyError, IndexError, ValueError, UnicodeDecodeError, struct.error) as e:
             raise InvariantError(f"change batch does not apply: {e!r}") from e
+        finally:
+            self._refs = {}
 
     def _apply(self, batch: bytes) -> None:
-        fmt, msg_seq, now_ms, flags = HEAD_S.unpack_from(batch)
-        if fmt != BATCH_FORMAT:
-            raise InvariantError(f"change batch format {fmt} is not {BATCH_FORMAT}")
-        p = HEAD_S.size
-        defs: bytes | None = None
-        if flags & F_DEFINITIONS:
-            (n,) = LEN_S.unpack_from(batch, p)
-            p += LEN_S.size
-            defs = batch[p : p + n]
-            p += n
-        b = self._owner
-        vhosts = b.vhosts
-        mark = b.mark
-        release = mark.release
-        # ref -> the queue, its index of messages by id and its front.
-        refs: dict[int, tuple[Queue, dict[int, Entry], dict[int, Entry]]] = {}
-        new: dict[int, Message] = {}
-        ref_id = REF_ID_S.unpack_from
-        end = len(batch)
-        while p < end:
-            kind = batch[p]
-            if kind == RELEASED:
-                _, ref, mid = ref_id(batch, p)
-                p += 13
-                q, index, front = refs[ref]
-                e = index.pop(mid, None)
-                if e is None:
-                    if self.catching_up:
-                        continue
-                    raise KeyError(mid)
-                if front.pop(mid, None) is not None:
-                    q.unacked -= 1
-                else:
-                    msgs = q.messages
-                    if msgs[0] is e:
-                        msgs.popleft()
-                    else:
-                        msgs.remove(e)
-                release(q, e)
-                if self.released is not None:
-                    self.released.append((q.vhost, q.name, mid))
-            elif kind == ENQUEUED:
-                _, ref, mid, exp, has_msg = ENQUEUED_S.unpack_from(batch, p)
-                p += ENQUEUED_S.size
-                if has_msg:
-                    mode, expiration, h0, h1, nx, nr, nh, nb = MESSAGE_S.unpack_from(batch, p)
-                    p += MESSAGE_S.size
-                    ex_b = batch[p : p + nx]
-                    p += nx
-                    rk_b = batch[p : p + nr]
-                    p += nr
-                    header = batch[p : p + nh]
-                    p += nh
-                    body = batch[p : p + nb]
-                    p += nb
-                    if p > end:
-                        raise InvariantError("change batch: a message overruns the batch")
-                    msg = new[mid] = Message.encoded(
-                        mid,
-                        ex_b,
-                        rk_b,
-                        header,
-                        body,
-                        mode,
-                        None if expiration < 0 else expiration,
-                        (h0, h1) if h1 else None,
-                    )
-                else:
-                    msg = new[mid]
-                q, index, _ = refs[ref]
-                if mid in index:
-                    raise InvariantError(f"message {mid} joins queue {q.name!r} twice")
-                e = index[mid] = Entry(msg, False, None if exp < 0 else exp)
-                q.messages.append(e)
-                size = len(msg.body)
-                q.ready_bytes += size
-                mark.queued_bytes += size
-            elif kind == DELIVERED:
-                _, ref, mid = ref_id(batch, p)
-                p += 13
-                q, index, front = refs[ref]
-                e = index.get(mid)
-                if e is None:
-                    if self.catching_up:
-                        continue
-                    raise KeyError(mid)
-                # What closing the consumer's channel would do (module docstring).
-                e.redelivered = True
-                if q.quorum:
-                    e.delivery_count += 1
-                if mid not in front:
-                    msgs = q.messages
-                    if type(msgs) is collections.deque:
-                        if msgs[0] is e:
-                            # Into the front: it all but always is the head.
-                            msgs.popleft()
-                            front[mid] = e
-                            q.unacked += 1
-                        else:
-                            # A replica restored from a snapshot, whose fronts came back as
-                            # the head of their queues: the messages before this one went
-                            # out before it, so they join the front with it, in order.
-                            self._to_front(q, front, e)
-            elif kind == REQUEUED:
-                _, ref, mid, redelivered, count = REQUEUED_S.unpack_from(batch, p)
-                p += REQUEUED_S.size
-                e = refs[ref][1].get(mid)
-                if e is None:
-                    if self.catching_up:
-                        continue
-                    raise KeyError(mid)
-                e.redelivered = bool(redelivered)
-                e.delivery_count = count
-            elif kind == NAME_KIND:
-                _, ref, nv, nn = NAMED_S.unpack_from(batch, p)
-                p += NAMED_S.size
-                vhost = batch[p : p + nv].decode()
-                p += nv
-                name = batch[p : p + nn].decode()
-                p += nn
-                q = vhosts[vhost].queues[name]
-                refs[ref] = (q, self._entries(q), self._front_of(q))
-            elif kind == CREATED:
-                _, ref, n = CREATED_S.unpack_from(batch, p)
-                p += CREATED_S.size
-                q = queue_from_meta(decode(batch[p : p + n]))
-                p += n
-                vh = vhosts.get(q.vhost) or b.topology.add_vhost(q.vhost)
-                if q.name in vh.queues:
-                    raise InvariantError(f"queue {q.name!r} declared but already there")
-                vh.queues[q.name] = q
-                refs[ref] = (q, self._index.setdefault((q.vhost, q.name), {}), self._front_of(q))
-            elif kind == DELETED:
-                _, ref = REF_S.unpack_from(batch, p)
-                p += REF_S.size
-                q, _, _ = refs.pop(ref)
-                self._index.pop((q.vhost, q.name), None)
-                self.fold(q)
-                b.topology.delete_queue(q)
-            else:
-                raise InvariantError(f"unknown change record kind {kind} at byte {p}")
-        if p != end:
-            raise InvariantError(f"change batch overruns its {end} bytes")
-        b.delivery.msg_seq = msg_seq
-        b.clock.now_ms = now_ms
-        if defs is not None:
-            self._install(decode(defs))
-        if flags & F_CONFIRMS:
+        head = changebatch.decode(batch, self)
+        self._delivery.set_msg_seq(head.msg_seq)
+        self._clock.set(head.now_ms)
+        if head.definitions is not None:
+            self._install(decode(head.definitions))
+        if head.confirms:
             # A client of the primary waits for a confirm in this batch: reported as soon as
             # this member applied it (stored it: F_DURABLE), as for another member's client in
             # active-active.
-            b.out.shadow_confirms += 1
-            if flags & F_DURABLE:
-                b.out.shadow_durable_confirms += 1
-        if flags & F_APPLIED:
+            self._out.shadow_confirmed(head.durable)
+        if head.applied:
             # Counted as a confirm that waits for no store: this member reports what it applied
             # at once (runtime/replication/shipping.py, "Deliveries").
-            b.out.shadow_confirms += 1
+            self._out.shadow_confirmed(False)
+
+    # ------------------------------------------------------------------ a batch's records
+
+    def msg_released(self, ref: int, msg_id: int) -> None:
+        q, index, front = self._refs[ref]
+        e = index.pop(msg_id, None)
+        if e is None:
+            if self.catching_up:
+                return
+            raise KeyError(msg_id)
+        if front.pop(msg_id, None) is not None:
+            q.unacked -= 1
+        else:
+            msgs = q.messages
+            if msgs[0] is e:
+                msgs.popleft()
+            else:
+                msgs.remove(e)
+        self._release(q, e)
+        if self.released is not None:
+            self.released.append((q.vhost, q.name, msg_id))
+
+    def msg_enqueued(self, ref: int, msg: Message, expires_at: int | None) -> None:
+        q, index, _ = self._refs[ref]
+        mid = msg.id
+        if mid in index:
+            raise InvariantError(f"message {mid} joins queue {q.name!r} twice")
+        e = index[mid] = Entry(msg, False, expires_at)
+        q.messages.append(e)
+        size = len(msg.body)
+        q.ready_bytes += size
+        self._queued(size)
+
+    def msg_delivered(self, ref: int, msg_id: int) -> None:
+        q, index, front = self._refs[ref]
+        e = index.get(msg_id)
+        if e is None:
+            if self.catching_up:
+                return
+            raise KeyError(msg_id)
+        # What closing the consumer's channel would do (module docstring).
+        e.redelivered = True
+        if q.quorum:
+            e.delivery_count += 1
+        if msg_id not in front:
+            msgs = q.messages
+            if type(msgs) is collections.deque:
+                if msgs[0] is e:
+                    # Into the front: it all but always is the head.
+                    msgs.popleft()
+                    front[msg_id] = e
+                    q.unacked += 1
+                else:
+                    # A replica restored from a snapshot, whose fronts came back as the head
+                    # of their queues: the messages before this one went out before it, so
+                    # they join the front with it, in order.
+                    self._to_front(q, front, e)
+
+    def msg_requeued(self, ref: int, msg_id: int, redelivered: bool, delivery_count: int) -> None:
+        e = self._refs[ref][1].get(msg_id)
+        if e is None:
+            if self.catching_up:
+                return
+            raise KeyError(msg_id)
+        e.redelivered = redelivered
+        e.delivery_count = delivery_count
+
+    def queue_named(self, ref: int, vhost: str, name: str) -> None:
+        q = self._topology.vhosts[vhost].queues[name]
+        self._refs[ref] = (q, self._entries(q), self._front_of(q))
+
+    def queue_created(self, ref: int, q: Queue) -> None:
+        self._topology.add_queue(q)
+        self._refs[ref] = (q, self._index.setdefault((q.vhost, q.name), {}), self._front_of(q))
+
+    def queue_deleted(self, ref: int) -> None:
+        q, _, _ = self._refs.pop(ref)
+        self._index.pop((q.vhost, q.name), None)
+        self.fold(q)
+        self._topology.delete_queue(q)
+
+    # ------------------------------------------------------------------ definitions
 
     def _install(self, defs: list[Any]) -> None:
         """The primary's definitions replace this broker's, in place; queues keep their
         messages (a queue's metadata may have changed: a policy)."""
-        b = self._owner
+        topology = self._topology
         head = defs[0]
         queues = [queue_from_meta(p[2]) for p in defs[1:] if p[0] == "queue"]
         index: dict[tuple[str, str], dict[int, Entry]] = {}
         fronts: dict[tuple[str, str], dict[int, Entry]] = {}
         queued = 0
         for q in queues:
-            old_vh = b.vhosts.get(q.vhost)
+            old_vh = topology.vhosts.get(q.vhost)
             old = old_vh.queues.get(q.name) if old_vh is not None else None
             if old is None:
                 continue
@@ -366,24 +331,26 @@ class Replication:
             if key in self._front:
                 fronts[key] = self._front[key]
         vhosts = [vhost_from_part(p[1], queues) for p in defs[1:] if p[0] == "vhost"]
-        b.topology.restore(vhosts, tuple(head["member_urls"]), [], [])
+        topology.restore(vhosts, tuple(head["member_urls"]), [], [])
         # Users travel only once an operator changed them (snapshot._head): else the seed's.
         users = (
-            [restore_user(d) for d in head["users"]] if "users" in head else list(b.users.seeded)
+            [restore_user(d) for d in head["users"]]
+            if "users" in head
+            else list(self._users.seeded)
         )
-        if list(b.users.by_name.values()) != users:
-            b.users.restore(users)
-        b.policies.restore([Policy(*p) for p in head.get("policies", [])])
-        b.policies.mark_applied(b.vhosts.values())
+        if list(self._users.by_name.values()) != users:
+            self._users.restore(users)
+        self._policies.restore([Policy(*p) for p in head.get("policies", [])])
+        self._policies.mark_applied(topology.vhosts.values())
         fed = head.get("federation", {"upstreams": [], "status": [], "recent": []})
-        b.federation.restore(
+        self._federation.restore(
             [Upstream(u[0], u[1], tuple(u[2]), *u[3:]) for u in fed["upstreams"]],
             fed["status"],
             fed["recent"],
         )
-        b.mark.queued_bytes = queued
+        self._mark.recount(queued)
         # The primary's model version (snapshot._head: absent at the oldest): a backup's
         # replica, and a backup promoted, run what the primary ran.
-        b.version.current = head.get("model_version", OLDEST)
+        self._version.adopt(head.get("model_version", OLDEST))
         self._index = index
         self._front = fronts

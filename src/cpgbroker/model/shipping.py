@@ -1,8 +1,9 @@
 """A hot-standby primary's side of state shipping: change batches out, promotion of a replica.
 
 :class:`Shipper` turns what the primary's broker recorded (``model/changes.py``) into the next
-change batch (:func:`encode_batch`; the layout is ``model/replica.py``'s, which applies it),
-with the definitions only when they differ from those last shipped (``snapshot.definitions``).
+change batch (``changebatch.encode``: the layout is ``model/changebatch.py``'s, and
+``model/replica.py`` applies it), with the definitions only when they differ from those last
+shipped (``snapshot.definitions``).
 
 :func:`promote` turns a replica into the broker a new primary serves, in place, by the steps
 the dead primary's connections closing would have taken: messages past a quorum queue's
@@ -19,119 +20,15 @@ from __future__ import annotations
 from typing import Any
 
 from cpgbroker.errors import InvariantError
-from cpgbroker.model import snapshot
+from cpgbroker.model import changebatch, snapshot
 from cpgbroker.model.broker import Broker
-from cpgbroker.model.changes import (
-    CREATED,
-    DELETED,
-    DELIVERED,
-    ENQUEUED,
-    RELEASED,
-    REQUEUED,
-    ships_queue,
-)
-from cpgbroker.model.entities import Entry, Message, PriorityMessages, Queue, ready_messages
-from cpgbroker.model.replica import (
-    BATCH_FORMAT,
-    CREATED_S,
-    ENQUEUED_S,
-    F_APPLIED,
-    F_CONFIRMS,
-    F_DEFINITIONS,
-    F_DURABLE,
-    HEAD_S,
-    LEN_S,
-    MESSAGE_S,
-    NAME_KIND,
-    NAMED_S,
-    REF_ID_S,
-    REF_S,
-    REQUEUED_S,
-)
+from cpgbroker.model.changes import ships_queue
+from cpgbroker.model.entities import Entry, PriorityMessages, Queue, ready_messages
 
 
-def encode_batch(
-    records: list[tuple[Any, ...] | None],
-    msg_seq: int,
-    now_ms: int,
-    definitions: bytes | None,
-    confirms: bool = False,
-    durable: bool = False,
-    applied: bool = False,
-) -> bytes:
-    """One change batch: the primary's counters, its definitions if they changed (already
-    encoded with ``snapshot.encode``), and the records of ``ChangeLog.take``; ``confirms``:
-    a client of the primary waits for a confirm (or a delivery) that this batch makes good
-    (``durable``: one that waits for every member's store; ``applied``: one that waits for
-    every member to have applied it only, while another waits for the stores)."""
-    flags = (
-        (F_DEFINITIONS if definitions is not None else 0)
-        | (F_CONFIRMS if confirms else 0)
-        | (F_DURABLE if durable else 0)
-        | (F_APPLIED if applied and durable else 0)
-    )
-    out = [HEAD_S.pack(BATCH_FORMAT, msg_seq, now_ms, flags)]
-    if definitions is not None:
-        out.append(LEN_S.pack(len(definitions)))
-        out.append(definitions)
-    append = out.append
-    # id(queue) -> its number in this batch (the records hold the queues: no id is reused).
-    refs: dict[int, int] = {}
-    sent: dict[int, None] = {}
-    ref_id = REF_ID_S.pack
-    for r in records:
-        if r is None:
-            continue
-        kind = r[0]
-        q: Queue = r[1]
-        if kind == CREATED:
-            ref = refs[id(q)] = len(refs) + 1
-            meta = snapshot.encode(snapshot.queue_meta(q))
-            append(CREATED_S.pack(CREATED, ref, len(meta)))
-            append(meta)
-            continue
-        ref = refs.get(id(q), 0)
-        if not ref:
-            ref = refs[id(q)] = len(refs) + 1
-            vh, name = q.vhost.encode(), q.name.encode()
-            append(NAMED_S.pack(NAME_KIND, ref, len(vh), len(name)))
-            append(vh)
-            append(name)
-        if kind == ENQUEUED:
-            msg: Message = r[2]
-            exp = -1 if r[3] is None else r[3]
-            if msg.id in sent:
-                append(ENQUEUED_S.pack(ENQUEUED, ref, msg.id, exp, 0))
-                continue
-            sent[msg.id] = None
-            append(ENQUEUED_S.pack(ENQUEUED, ref, msg.id, exp, 1))
-            ex, rk = msg.ex_b, msg.rk_b
-            span = msg.headers_span or (0, 0)
-            append(
-                MESSAGE_S.pack(
-                    msg.delivery_mode,
-                    -1 if msg.expiration_ms is None else msg.expiration_ms,
-                    span[0],
-                    span[1],
-                    len(ex),
-                    len(rk),
-                    len(msg.header),
-                    len(msg.body),
-                )
-            )
-            append(ex)
-            append(rk)
-            append(msg.header)
-            append(msg.body)
-        elif kind in (RELEASED, DELIVERED):
-            append(ref_id(kind, ref, r[2]))
-        elif kind == REQUEUED:
-            append(REQUEUED_S.pack(REQUEUED, ref, r[2], r[3], r[4]))
-        elif kind == DELETED:
-            append(REF_S.pack(DELETED, ref))
-        else:
-            raise InvariantError(f"unknown change record {kind}")
-    return b"".join(out)
+def _queue_meta(q: Queue) -> bytes:
+    """A declared queue's metadata in a change batch (``changebatch.encode``)."""
+    return snapshot.encode(snapshot.queue_meta(q))
 
 
 class Shipper:
@@ -155,7 +52,9 @@ class Shipper:
                 defs = None
             else:
                 self.shipped = defs
-        return encode_batch(records, b.msg_seq, b.now_ms, defs, confirms, durable, applied)
+        return changebatch.encode(
+            records, b.msg_seq, b.now_ms, defs, _queue_meta, confirms, durable, applied
+        )
 
 
 def messages(b: Broker) -> int:

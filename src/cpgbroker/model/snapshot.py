@@ -97,7 +97,8 @@ NOT_REPLICATED = {
     },
     "Binding": {"seq", "exact"},
     # The policy that applies (model/policies.py): a function of the policies and the name.
-    "Topology": {"_expiry_heap", "_expiry_seq"},
+    # (And where a hot-standby primary's change log is, model/changes.py: not state.)
+    "Topology": {"_expiry_heap", "_expiry_seq", "_changes"},
     # Derived from ``ttl_queues`` (``TtlQueues.rebuild`` on restore).
     "Queue": {"ttl_order", "ttl_due", "policy", "published_total", "delivered_total"},
     "Connections": {"deadlines"},
@@ -109,15 +110,18 @@ NOT_REPLICATED = {
     "ConsumerTimeouts": {"heap", "_pushes", "_compact_at"},
     # Cached permission results: a function of the configuration and the name.
     "Permissions": {"_known", "published"},
-    "Delivery": {"_published", "changes"},
-    # A hot-standby primary's change log (model/changes.py): where records go, not state.
-    "MemoryMark": {"changes"},
+    "Delivery": {"_published", "_changes"},
+    # Where a hot-standby primary's change log is (model/changes.py): where records go, not
+    # state.
+    "MemoryMark": {"_changes"},
+    "Channels": {"_changes"},
     # The replica's own member id (which answers are another member's).
     "Admin": {"local_member"},
     "ResourceOps": {"answering"},
     # Derived (model/replica.py): a backup's index of messages by id, rebuilt when missing.
     # (Its queue fronts are not left out: ``parts`` puts them in their queues' messages.)
-    "Replication": {"_index", "_front", "catching_up", "released"},
+    # (Its refs are those of the batch being applied: empty between events.)
+    "Replication": {"_index", "_front", "_refs", "catching_up", "released"},
     # A hot-standby primary's change log (model/changes.py): where records go, not state.
     "Broker": {"_changes"},
 }

@@ -37,6 +37,7 @@ from typing import Any
 from pamqp import commands
 
 from cpgbroker.errors import ChannelError, ConnectionError_, InvariantError, ReplyCode
+from cpgbroker.model.changes import Recording
 from cpgbroker.model.entities import (
     Channel,
     Connection,
@@ -111,6 +112,7 @@ def _unwired(q: Queue, urls: tuple[str, ...]) -> None:
 
 class Topology:
     __slots__ = (
+        "_changes",
         "_clock",
         "_connections",
         "_expiry_heap",
@@ -143,6 +145,7 @@ class Topology:
         peer_exchange: bool = False,
         replicated: bool = False,
         version: ModelVersion | None = None,
+        changes: Recording | None = None,
     ) -> None:
         self.vhosts: dict[str, VHost] = {}
         # The cluster's model version (read at every use: it moves up at an event).
@@ -161,6 +164,9 @@ class Topology:
         self._clock = clock
         self._out = out
         self._mark = mark
+        # Where a hot-standby primary's change log is (model/changes.py): told of queues
+        # declared and deleted.
+        self._changes = Recording() if changes is None else changes
         # Read only: exclusive queues are struck from their owner's list when deleted.
         self._connections = connections
         # Asked before anything is looked up (a refused client learns nothing of what exists).
@@ -479,8 +485,9 @@ class Topology:
                 if vh.name in self.policies.by_vhost:
                     self.policies.apply_to_queue(q)
                 vh.queues[name] = q
-                if self._mark.changes is not None:
-                    self._mark.changes.created(q)
+                log = self._changes.log
+                if log is not None:
+                    log.created(q)
                 if m.exclusive:
                     conn.exclusive_queues[name] = None
                 if q.expires is not None:
@@ -608,14 +615,23 @@ class Topology:
             # deleting client waits for delete-ok (py-amqp raises ConsumerCancelled then).
             self.delete_queue(q)
 
+    def add_queue(self, q: Queue) -> None:
+        """Hold ``q`` (new, as the primary declared it: a backup applying a change batch,
+        model/replica.py), in its vhost, added if missing."""
+        vh = self.vhosts.get(q.vhost) or self.add_vhost(q.vhost)
+        if q.name in vh.queues:
+            raise InvariantError(f"queue {q.name!r} declared but already there")
+        vh.queues[q.name] = q
+
     def delete_queue(self, q: Queue) -> None:
         """Delete ``q``: its bindings go, its consumers are cancelled (basic.cancel to clients
         that asked for it), its ready messages are dropped (unacked ones stay on their
         channels and are dropped when settled)."""
         vh = self.vhosts[q.vhost]
         q.deleted = True
-        if self._mark.changes is not None:
-            self._mark.changes.deleted(q)
+        log = self._changes.log
+        if log is not None:
+            log.deleted(q)
         vh.queues.pop(q.name, None)
         key = (q.vhost, q.name)
         self.ttl_queues.leave(q)

@@ -65,6 +65,11 @@ class ModelVersion:
             raise ValueError(f"model version {current} is outside {OLDEST}..{NEWEST}")
         self.current = current
 
+    def adopt(self, version: int) -> None:
+        """The cluster runs ``version`` from now on (the primary's, from a change batch's
+        definitions: model/replica.py)."""
+        self.current = version
+
     def at_least(self, version: int) -> bool:
         return self.current >= version
 
