@@ -185,7 +185,7 @@ class Admin:
                 "error": "conflict",
                 "reason": f"the cluster runs model version {before}: model versions only move up",
             }
-        self._version.current = version
+        self._version.adopt(version)
         return 200, {"model_version": version, "was": before}
 
     # ------------------------------------------------------------------ users

@@ -342,7 +342,7 @@ class Broker:
     def _on_tick(self, now_ms: int) -> None:
         # Another member may take over the clock with a clock slightly behind: cluster time
         # never goes back (every replica clamps the same way, so this stays deterministic).
-        self.clock.now_ms = max(now_ms, self.clock.now_ms)
+        self.clock.set(max(now_ms, self.clock.now_ms))
         self.conns.on_tick()
         self.timeouts.on_tick()
         self.delivery.expire_ttl()
@@ -407,8 +407,4 @@ class Broker:
         self.clock.set(now_ms)
         self.event_seq = event_seq
         self.delivery.set_msg_seq(msg_seq)
-        mark = self.mark
-        mark.queued_bytes = queued_bytes
-        mark.blocked = blocked
-        mark.memory_blocked = memory_blocked
-        mark.disk_alarms = dict.fromkeys(disk_alarms, True)
+        self.mark.restore(queued_bytes, blocked, memory_blocked, disk_alarms)

@@ -84,8 +84,17 @@ class MemoryMark:
 
     def recount(self, queued_bytes: int) -> None:
         """The queues hold ``queued_bytes`` in all (a backup installing the primary's
-        definitions: model/replica.py)."""
+        definitions: model/replica.py; a replica restored from the back: model/restore.py)."""
         self.queued_bytes = queued_bytes
+
+    def restore(
+        self, queued_bytes: int, blocked: bool, memory_blocked: bool, disk_alarms: list[int]
+    ) -> None:
+        """Install a snapshot's counters (``Broker.restore_counters``)."""
+        self.queued_bytes = queued_bytes
+        self.blocked = blocked
+        self.memory_blocked = memory_blocked
+        self.disk_alarms = dict.fromkeys(disk_alarms, True)
 
     def check(self) -> None:
         """After publishing: block publishers if the queues went above the mark."""

@@ -54,8 +54,8 @@ class Clock:
         self.now_ms = 0
 
     def set(self, now_ms: int) -> None:
-        """Cluster time is ``now_ms``, as another broker says (a backup takes the primary's
-        from each change batch: model/replica.py); ticks clamp in the broker instead."""
+        """Cluster time is ``now_ms``: a tick's (clamped by the broker: it never goes back),
+        a snapshot's, or the primary's from each change batch (model/replica.py)."""
         self.now_ms = now_ms
 
 

@@ -127,7 +127,7 @@ class Restorer:
             # (A replica: every message of a queue, out with a consumer or not, is in it.)
             for q in queues:
                 q.ready_bytes = sum(len(e.msg.body) for e in q.messages)
-            b.mark.queued_bytes = sum(q.ready_bytes for q in queues if not q.deleted)
+            b.mark.recount(sum(q.ready_bytes for q in queues if not q.deleted))
         b.flow.restore(queues)
         b.topology.restore(
             self.vhosts,

@@ -66,8 +66,8 @@ class ModelVersion:
         self.current = current
 
     def adopt(self, version: int) -> None:
-        """The cluster runs ``version`` from now on (the primary's, from a change batch's
-        definitions: model/replica.py)."""
+        """The cluster runs ``version`` from now on (an operator's upgrade-finish, checked by
+        model/admin.py; the primary's, from a change batch's definitions: model/replica.py)."""
         self.current = version
 
     def at_least(self, version: int) -> bool:
