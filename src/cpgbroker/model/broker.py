@@ -102,9 +102,6 @@ from cpgbroker.model.versions import CONSUMER_TIMEOUTS, NEWEST, ModelVersion
 
 __all__ = ["Broker", "VHost"]
 
-# Events that never change definitions by themselves (model/changes.py).
-_TRAFFIC = (ClientData, DoOutput, Tick)
-
 
 class Broker:
     """The whole replicated broker state and its transition function."""
@@ -235,52 +232,55 @@ class Broker:
     def apply(self, event: Event) -> list[Effect]:
         """Apply one event; return the effects (sends, closes) it causes, in order."""
         self.event_seq += 1
-        t = type(event)
-        if t is ClientData:
-            self._on_data(event.conn, event.data)  # type: ignore[union-attr]
-        elif t is DoOutput:
-            self._on_do_output(event.conn, event.limit)  # type: ignore[union-attr]
-        elif t is Tick:
-            self._on_tick(event.now_ms)  # type: ignore[union-attr]
-        elif t is ClientConnected:
-            self.conns.on_connected(event)  # type: ignore[arg-type]
-        elif t is ClientDisconnected:
-            self.conns.disconnected(event.conn, event.reason)  # type: ignore[union-attr]
-        elif t is CloseClient:
-            self.conns.close(event.conn, event.code, event.text)  # type: ignore[union-attr]
-        elif t is ClusterMembers:
+        # ``type(event) is``: exact classes, and mypy narrows the union by them. Client data,
+        # do-output and ticks first (nearly every event), and only they never change
+        # definitions by themselves: ticks only delete queues (which say so) and close
+        # connections and channels (model/changes.py).
+        if type(event) is ClientData:
+            self._on_data(event.conn, event.data)
+            return self._flush()
+        if type(event) is DoOutput:
+            self._on_do_output(event.conn, event.limit)
+            return self._flush()
+        if type(event) is Tick:
+            self._on_tick(event.now_ms)
+            return self._flush()
+        if type(event) is ClientConnected:
+            self.conns.on_connected(event)
+        elif type(event) is ClientDisconnected:
+            self.conns.disconnected(event.conn, event.reason)
+        elif type(event) is CloseClient:
+            self.conns.close(event.conn, event.code, event.text)
+        elif type(event) is ClusterMembers:
             delivery = self.delivery
             topology = self.topology
-            for q in topology.set_members(event.urls):  # type: ignore[union-attr]
+            for q in topology.set_members(event.urls):
                 delivery.publish_members(q, topology.member_urls)
-        elif t is MemberLeft:
-            self.conns.member_left(event.member)  # type: ignore[union-attr]
-            self.federation.member_left(event.member)  # type: ignore[union-attr]
-            if event.member in self.mark.disk_alarms:  # type: ignore[union-attr]
-                self.mark.set_disk_alarm(event.member, False)  # type: ignore[union-attr]
-        elif t is DiskAlarm:
-            self.mark.set_disk_alarm(event.member, event.low)  # type: ignore[union-attr]
-        elif t is Recovered:
+        elif type(event) is MemberLeft:
+            self.conns.member_left(event.member)
+            self.federation.member_left(event.member)
+            if event.member in self.mark.disk_alarms:
+                self.mark.set_disk_alarm(event.member, False)
+        elif type(event) is DiskAlarm:
+            self.mark.set_disk_alarm(event.member, event.low)
+        elif type(event) is Recovered:
             # A replica's queue fronts first: what is dropped is dropped from whole queues.
             self.replication.fold_all()
             self.topology.drop_transient()
-        elif t is AdminCommand:
+        elif type(event) is AdminCommand:
             before = self.version.current
-            self.admin.apply(event)  # type: ignore[arg-type]
+            self.admin.apply(event)
             if before < CONSUMER_TIMEOUTS <= self.version.current:
                 # The cluster moved to consumer timeouts at this event (upgrade-finish).
                 self.timeouts.restart()
-        elif t is Forward:
-            self.admin.forward(event)  # type: ignore[arg-type]
-        elif t is Changes:
-            self.replication.apply(event.data)  # type: ignore[union-attr]
+        elif type(event) is Forward:
+            self.admin.forward(event)
+        elif type(event) is Changes:
+            self.replication.apply(event.data)
         else:
             raise InvariantError(f"unknown event {event!r}")
-        # Ticks only delete queues (which say so) and close connections and channels; every
-        # other kind of event but client data and do-output may change definitions
-        # (model/changes.py).
-        if t is not ClientData and t is not DoOutput and t is not Tick:
-            self._changes.definitions_may_change()
+        # Every other kind of event may change definitions (model/changes.py).
+        self._changes.definitions_may_change()
         return self._flush()
 
     def fail_event(self, event: Event, text: str) -> list[Effect]:

@@ -71,45 +71,42 @@ def _s(text: str) -> bytes:
 
 def encode(ev: Event, failed: bool = False) -> bytes:
     """The payload that journals ``ev`` (applied, or failed by the cluster)."""
-    t = type(ev)
     flag = FAILED if failed else 0
-    if t is ClientData:
-        return _DATA.pack(R_DATA | flag, ev.conn) + ev.data  # type: ignore[union-attr]
-    if t is Tick:
-        return _Q.pack(R_TICK | flag, ev.now_ms)  # type: ignore[union-attr]
-    if t is DoOutput:
-        return _QQ.pack(R_DO_OUTPUT | flag, ev.conn, ev.limit)  # type: ignore[union-attr]
-    if t is ClientConnected:
-        c: ClientConnected = ev  # type: ignore[assignment]
-        if not c.tls:
-            return _CONN.pack(R_CONNECTED | flag, c.conn, c.member, c.loopback) + c.peer.encode()
-        flags = (_F_LOOPBACK if c.loopback else 0) | _F_TLS
+    if type(ev) is ClientData:
+        return _DATA.pack(R_DATA | flag, ev.conn) + ev.data
+    if type(ev) is Tick:
+        return _Q.pack(R_TICK | flag, ev.now_ms)
+    if type(ev) is DoOutput:
+        return _QQ.pack(R_DO_OUTPUT | flag, ev.conn, ev.limit)
+    if type(ev) is ClientConnected:
+        if not ev.tls:
+            return (
+                _CONN.pack(R_CONNECTED | flag, ev.conn, ev.member, ev.loopback) + ev.peer.encode()
+            )
+        flags = (_F_LOOPBACK if ev.loopback else 0) | _F_TLS
         return (
-            _CONN.pack(R_CONNECTED | flag, c.conn, c.member, flags)
-            + _s(c.peer)
-            + c.cert_user.encode()
+            _CONN.pack(R_CONNECTED | flag, ev.conn, ev.member, flags)
+            + _s(ev.peer)
+            + ev.cert_user.encode()
         )
-    if t is ClientDisconnected:
-        return _Q.pack(R_DISCONNECTED | flag, ev.conn) + ev.reason.encode()  # type: ignore[union-attr]
-    if t is CloseClient:
-        cc: CloseClient = ev  # type: ignore[assignment]
-        return _QH.pack(R_CLOSE_CLIENT | flag, cc.conn, cc.code) + cc.text.encode()
-    if t is MemberLeft:
-        return _Q.pack(R_MEMBER_LEFT | flag, ev.member)  # type: ignore[union-attr]
-    if t is ClusterMembers:
-        urls: tuple[str, ...] = ev.urls  # type: ignore[union-attr]
-        return bytes([R_MEMBERS | flag]) + b"".join(_s(u) for u in urls)
-    if t is Recovered:
+    if type(ev) is ClientDisconnected:
+        return _Q.pack(R_DISCONNECTED | flag, ev.conn) + ev.reason.encode()
+    if type(ev) is CloseClient:
+        return _QH.pack(R_CLOSE_CLIENT | flag, ev.conn, ev.code) + ev.text.encode()
+    if type(ev) is MemberLeft:
+        return _Q.pack(R_MEMBER_LEFT | flag, ev.member)
+    if type(ev) is ClusterMembers:
+        return bytes([R_MEMBERS | flag]) + b"".join(_s(u) for u in ev.urls)
+    if type(ev) is Recovered:
         return bytes([R_RECOVERED | flag])
-    if t is DiskAlarm:
-        return _Q.pack(R_DISK_ALARM | flag, ev.member) + bytes([ev.low])  # type: ignore[union-attr]
-    if t is AdminCommand:
-        a: AdminCommand = ev  # type: ignore[assignment]
-        return _QQ.pack(R_ADMIN | flag, a.member, a.ticket) + _s(a.user) + _s(a.op) + a.args
-    if t is Forward:
-        return bytes([R_FORWARD | flag]) + encode_forward(ev)  # type: ignore[arg-type]
-    if t is Changes:
-        return bytes([R_CHANGES | flag]) + ev.data  # type: ignore[union-attr]
+    if type(ev) is DiskAlarm:
+        return _Q.pack(R_DISK_ALARM | flag, ev.member) + bytes([ev.low])
+    if type(ev) is AdminCommand:
+        return _QQ.pack(R_ADMIN | flag, ev.member, ev.ticket) + _s(ev.user) + _s(ev.op) + ev.args
+    if type(ev) is Forward:
+        return bytes([R_FORWARD | flag]) + encode_forward(ev)
+    if type(ev) is Changes:
+        return bytes([R_CHANGES | flag]) + ev.data
     raise InvariantError(f"cannot journal {ev!r}")
 
 
