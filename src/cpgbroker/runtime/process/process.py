@@ -201,13 +201,9 @@ class MemberProcess:
                 "error": "unavailable",
                 "reason": f"this member does not serve ({self.phase})",
             }
-        if node.shipping is not None and not node.shipping.active:
+        if (why := node.replication.refusal()) is not None:
             # Shipping changes, only the primary's broker applies operators' changes.
-            assert node.standby is not None
-            return 503, {
-                "error": "unavailable",
-                "reason": node.standby.refusal() or "this member is a hot-standby backup",
-            }
+            return 503, {"error": "unavailable", "reason": why}
         return await node.desk.request(user, op, args, timeout)
 
     async def control(self, path: str, args: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -520,13 +516,10 @@ class MemberProcess:
                     )
                     for task in node.guarded_tasks():
                         nursery.start_soon(guarded, task)
-                    nursery.start_soon(node.cluster_ticker)
-                    # This member's share of the federation links (none without upstreams).
-                    nursery.start_soon(node.federation.run)
-                    if node.standby is not None:
-                        nursery.start_soon(node.standby.watch, node.io.close_all)
-                    if node.shipping is not None:
-                        nursery.start_soon(node.shipping.run)
+                    # The cluster ticker, this member's share of the federation links, the
+                    # hot-standby watch, the replication mode's own.
+                    for task in node.tasks():
+                        nursery.start_soon(task)
                     activity = -1
                     while not node.ready.is_set():
                         with trio.move_on_after(cluster.ready_timeout):
@@ -643,20 +636,7 @@ def member_status(node: ClusterNode, with_digest: bool) -> dict[str, Any]:
             "state": node.state_name(),
             "clock_master": node.membership.clock_master,
             **({"mode": "active-active"} if node.standby is None else node.standby.status()),
-            **(
-                {}
-                if node.shipping is None
-                else {
-                    "replication": "changes",
-                    "replicate": node.shipping.replicate,
-                    "batches": {
-                        "shipped": node.shipping.shipped,
-                        "stable": node.shipping.stable,
-                        # Messages acked before their batch was cut: never shipped.
-                        "elided": node.shipping.elided,
-                    },
-                }
-            ),
+            **node.replication.status(),
             "members": [
                 {
                     "member": m,
