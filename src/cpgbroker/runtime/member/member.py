@@ -36,12 +36,14 @@ member, and what a decision means for the others (suspending, resynchronising, l
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
@@ -98,7 +100,7 @@ from cpgbroker.model.events import (
 from cpgbroker.model.versions import NEWEST, OLDEST
 from cpgbroker.runtime.admin.admindesk import AdminDesk
 from cpgbroker.runtime.amqp.confirms import ConfirmGate
-from cpgbroker.runtime.amqp.server import Node
+from cpgbroker.runtime.amqp.server import ClientStream, Node, forced_close_frame
 from cpgbroker.runtime.config.settings import ServerConfig
 from cpgbroker.runtime.federation.federation import FederationLinks, client_context
 from cpgbroker.runtime.member.applytimes import APPLY_SAMPLE, ApplyTimes
@@ -430,8 +432,57 @@ class ClusterNode:
         self.suspend(reason)
 
     def close(self) -> None:
+        self.updater.end()
         self.checkpoints.close()  # digest children of an ended incarnation
         self.eventlog.close()
+
+    # ------------------------------------------------------------------ clients, for the process
+
+    @property
+    def conn_counter(self) -> int:
+        """Connection ids handed out so far (the next incarnation goes on from here)."""
+        return self.io.conn_counter
+
+    def update_handler(self, address: str) -> Callable[[trio.SocketStream], Awaitable[None]]:
+        """Take state updates at ``address`` (announced in our requests): the handler of its
+        listener."""
+        self.newcomer.address = address
+        return self.newcomer.handler
+
+    async def serve_client(self, stream: ClientStream) -> None:
+        await self.io.handle(stream)
+
+    async def admin_request(
+        self, user: str, op: str, args: dict[str, Any], timeout: float
+    ) -> tuple[int, Any]:
+        """An operator's change, answered once as safe as a durable confirm."""
+        return await self.desk.request(user, op, args, timeout)
+
+    async def shutdown_clients(self, grace: float) -> None:
+        """Signalled: tell the clients to go, give them ``grace`` seconds."""
+        await self.io.shutdown_clients(grace)
+
+    async def let_clients_go(self, grace: float) -> None:
+        """Told to go already: the clients get up to ``grace`` seconds to read their
+        connection.close and leave; the rest are cut."""
+        with trio.move_on_after(grace):
+            while self.io.local:
+                await trio.sleep(0.02)
+        self.io.cancel_clients()
+
+    async def drop_clients(self, text: str) -> None:
+        """Leaving the cluster: our clients must fail over; tell them why, then drop them. The
+        other members see us leave through CPG and close our clients' shadows at that point."""
+        frame = forced_close_frame(text)
+        for lc in list(self.io.local.values()):
+            with (
+                trio.move_on_after(1),
+                contextlib.suppress(
+                    trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError
+                ),
+            ):
+                await lc.stream.send_all(frame)
+            await lc.stream.aclose()
 
     # ------------------------------------------------------------------ progress
 
