@@ -177,6 +177,28 @@ def config_digest(config: ServerConfig) -> bytes:
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).digest()
 
 
+@attrs.frozen
+class Inherited:
+    """What an incarnation takes over from the process and the incarnations before it."""
+
+    # Connection ids handed out so far: the next ones go on from there.
+    conn_counter: int = 0
+    # A model kept since quorum was lost, or recovered from the store, with its history epoch.
+    kept: tuple[Broker, int] | None = None
+    # Which incarnation of this process it is (1: the first).
+    incarnation: int = 1
+    # Updater children of every incarnation, reaped by the process (runtime/update/giving.py).
+    updates: dict[int, dict[str, Any]] | None = None
+    # The event being applied, shared with the watchdog's feeder thread.
+    applying: ApplyMark | None = None
+    # The durable store (None: memory only), shared by every incarnation.
+    store: Store | None = None
+    # ``kept`` was recovered from the store after the process (re)started.
+    restarted: bool = False
+    # ``--force-boot``: serve without waiting for the other members' stores.
+    forced: bool = False
+
+
 class ClusterNode:
     """One incarnation of a cluster member: one CPG membership and its model."""
 
@@ -187,17 +209,12 @@ class ClusterNode:
         member: int,
         *,
         quorum: TrioQuorum | None = None,
-        conn_counter: int = 0,
-        kept: tuple[Broker, int] | None = None,
-        incarnation: int = 1,
-        updates: dict[int, dict[str, Any]] | None = None,
-        applying: ApplyMark | None = None,
-        store: Store | None = None,
-        restarted: bool = False,
-        forced: bool = False,
+        inherited: Inherited | None = None,
     ) -> None:
         cluster = config.cluster
         assert cluster is not None
+        inherited = Inherited() if inherited is None else inherited
+        kept, store, forced = inherited.kept, inherited.store, inherited.forced
         self.config = config
         self.member = member
         # Without a quorum handle (unit tests on an in-memory bus) nothing is gated.
@@ -216,7 +233,7 @@ class ClusterNode:
         self.kept = kept
         # The kept model was recovered from the store after the process (re)started: resuming
         # it drops what a broker restart drops (``Recovered``).
-        self.restarted = restarted
+        self.restarted = inherited.restarted
         # This member's durable store (None: memory only). It journals every applied event.
         self.store = store
         # Its state must not be offered again when it rejoins (it holds what the serving
@@ -264,7 +281,7 @@ class ClusterNode:
             member,
             sequencer=replication.sequencer,
             gate=self.confirms,
-            conn_counter=conn_counter,
+            conn_counter=inherited.conn_counter,
         )
         # A sample of how long events take to apply (runtime/member/applytimes.py).
         self.apply_times = ApplyTimes()
@@ -297,13 +314,15 @@ class ClusterNode:
             heartbeat=lambda: self.multicast.send_control(self.report()),
             lapsed=self._lease_lapsed,
         )
-        self.eventlog = EventLog(cluster.event_log, member, incarnation)
+        self.eventlog = EventLog(cluster.event_log, member, inherited.incarnation)
         self.checkpoints = Checkpointer(
             member, cluster.checkpoint_every, send, self.eventlog, self._vouches
         )
         self.partitions = Partitions()
         self.newcomer = Newcomer(member, self.membership, config.broker, send, self._install)
-        self.updater = Updater(member, incarnation, cluster.update_rate_limit, updates)
+        self.updater = Updater(
+            member, inherited.incarnation, cluster.update_rate_limit, inherited.updates
+        )
         self.stops = Stops(member, self.multicast, self.eventlog)
         self.errorchecks = ErrorChecks(
             member,
@@ -320,7 +339,7 @@ class ClusterNode:
         # Read on the hot path (one attribute load): is this member held by a round?
         self.stall = self.errorchecks.stall
         # The event being applied, for the watchdog's feeder thread (runtime/member/watchdog.py).
-        self.applying = ApplyMark() if applying is None else applying
+        self.applying = ApplyMark() if inherited.applying is None else inherited.applying
 
     # ------------------------------------------------------------------ for the process
 

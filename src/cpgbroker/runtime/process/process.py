@@ -43,6 +43,7 @@ from cpgbroker.runtime.member.member import (
     RESYNC_TEXT,
     SUSPEND_GRACE,
     ClusterNode,
+    Inherited,
 )
 from cpgbroker.runtime.member.quorum_trio import TrioQuorum, open_quorum
 from cpgbroker.runtime.member.status import MemberStatus
@@ -469,14 +470,16 @@ class MemberProcess:
                 cpg,
                 me,
                 quorum=self.quorum,
-                conn_counter=self.conn_counter,
-                kept=self.kept,
-                incarnation=self.incarnations,
-                updates=self.updates,
-                applying=self.applying,
-                store=None if self.storage is None else self.storage.store,
-                restarted=self.restarted and self.kept is not None,
-                forced=cluster.force_boot and first,
+                inherited=Inherited(
+                    conn_counter=self.conn_counter,
+                    kept=self.kept,
+                    incarnation=self.incarnations,
+                    updates=self.updates,
+                    applying=self.applying,
+                    store=None if self.storage is None else self.storage.store,
+                    restarted=self.restarted and self.kept is not None,
+                    forced=cluster.force_boot and first,
+                ),
             )
             self.node = node
             self.member = member = MemberStatus(node)
