@@ -1078,30 +1078,9 @@ class ClusterNode:
             self.newcomer.on_request(e)
             return
         membership = self.membership
-        me = membership.members.get(self.member)
-        newcomer = membership.members.get(e.member)
-        if (
-            e.updater != self.member
-            or membership.state != READY
-            or me is None
-            or me.status != STATUS_READY
-            or newcomer is None
-            # A newcomer whose hello was refused, or whose release cannot apply the model
-            # version of our state (the cluster moved up after it heard a serving member's
-            # older hello), never gets a state it would apply by other rules.
-            or newcomer.status is None
-            or not newcomer.versions[0] <= self.broker.version.current <= newcomer.versions[1]
-            # A stopping member's model ends before the request's point: the newcomer asks
-            # another member once this one has left.
-            or self.stops.halted is not None
+        if not self.updater.gives(
+            e, membership, self.broker.version.current, self.stops.halted is not None
         ):
-            if newcomer is not None and e.updater == self.member and newcomer.status is not None:
-                log.warning(
-                    "no state update for member %s (%s): this state runs model version %d",
-                    e.member,
-                    newcomer.software or "unknown software",
-                    self.broker.version.current,
-                )
             return
         members = membership.export()
         if self.stall.stalled is not None:
@@ -1200,16 +1179,3 @@ class ClusterNode:
         """The broker the management API and /metrics read: the serving broker of a primary
         shipping changes (its clients, consumers and unacked messages), else the stream's."""
         return self.replication.view(self.broker)
-
-    def state_name(self) -> str:
-        if self.suspended is not None:
-            return "suspended"
-        if self.stops.halted is not None:
-            return "stopping"
-        if self.stall.stalled is not None:
-            return "error-check"
-        if self.membership.state == NEEDS_UPDATE:
-            return "updating" if self.newcomer.progress is not None else "needs-update"
-        if self.newcomer.installed and not self.ready.is_set():
-            return "catching-up"
-        return self.membership.state

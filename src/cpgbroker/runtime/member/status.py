@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from cpgbroker.cluster.codec import STATUS_NAMES
+from cpgbroker.cluster.membership import NEEDS_UPDATE
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.config import BrokerConfig
 from cpgbroker.runtime.amqp.server import model_status
@@ -73,7 +74,20 @@ class MemberStatus:
         return len(self._node.io.local)
 
     def state_name(self) -> str:
-        return self._node.state_name()
+        """Where the member is: the membership's state, or what holds it (suspended,
+        stopping, an error-check round, a state update, catching up after one)."""
+        node = self._node
+        if node.suspended is not None:
+            return "suspended"
+        if node.stops.halted is not None:
+            return "stopping"
+        if node.stall.stalled is not None:
+            return "error-check"
+        if node.membership.state == NEEDS_UPDATE:
+            return "updating" if node.newcomer.progress is not None else "needs-update"
+        if node.newcomer.installed and not node.ready.is_set():
+            return "catching-up"
+        return node.membership.state
 
     def members(self) -> list[int]:
         """The members it knows, in the stream's order."""
@@ -121,7 +135,7 @@ class MemberStatus:
             {
                 "member": node.member,
                 "url": node.membership.url,
-                "state": node.state_name(),
+                "state": self.state_name(),
                 "clock_master": node.membership.clock_master,
                 **({"mode": "active-active"} if node.standby is None else node.standby.status()),
                 **node.replication.status(),
