@@ -271,49 +271,10 @@ class ClusterNode:
             if cluster.mode == "hot-standby"
             else None
         )
-        # How this member's clients' changes reach the others (runtime/replication/modes.py):
-        # the member calls it wherever the modes differ, without asking which one it is.
-        self.replication = self._replication(config, cpg)
-        replication = self.replication
-        self.confirms = ConfirmGate(replication.number)
-        self.io = Node(
-            config,
-            member,
-            sequencer=replication.sequencer,
-            gate=self.confirms,
-            conn_counter=inherited.conn_counter,
-        )
+        self._build_wings(config, cpg, inherited)
         # A sample of how long events take to apply (runtime/member/applytimes.py).
         self.apply_times = ApplyTimes()
-        # Operators' changes: answered once as safe as a durable confirm.
-        self.desk = AdminDesk(
-            member, replication.submit_admin, replication.number, settled=self._admin_settled
-        )
-        self.io.desk = self.desk
         self.broker.admin.local_member = member
-        # The federation links this member runs (runtime/federation/federation.py).
-        self.federation = FederationLinks(
-            member,
-            config.broker.server_id,
-            # Without a server id, the CPG group names the cluster upstream (stable across
-            # restarts, unlike member ids: the upstream queue must keep its name).
-            config.broker.server_id or cluster.group,
-            self.desk,
-            lambda: self.view,
-            lambda: replication.link_members(self.membership),
-            lambda: self.serving and self.stops.halted is None and replication.active,
-            client_context(config.tls),
-            cluster_name=config.broker.cluster_name,
-        )
-        replication.attach(
-            self.io,
-            self.confirms,
-            self.desk,
-            stored=store is not None,
-            on_cut=self.federation.applied,
-            heartbeat=lambda: self.multicast.send_control(self.report()),
-            lapsed=self._lease_lapsed,
-        )
         self.eventlog = EventLog(cluster.event_log, member, inherited.incarnation)
         self.checkpoints = Checkpointer(
             member, cluster.checkpoint_every, send, self.eventlog, self._vouches
@@ -340,6 +301,55 @@ class ClusterNode:
         self.stall = self.errorchecks.stall
         # The event being applied, for the watchdog's feeder thread (runtime/member/watchdog.py).
         self.applying = ApplyMark() if inherited.applying is None else inherited.applying
+
+    def _build_wings(self, config: ServerConfig, cpg: TrioCpg, inherited: Inherited) -> None:
+        """The parts of other wings the member drives (the replication mode, the clients'
+        side with its confirm gate, the admin desk, the federation links), each built on the
+        one before; the mode is handed the rest in one attach. Kept apart from the member's
+        own components so that a builder in the process wing can take them over whole."""
+        cluster = config.cluster
+        assert cluster is not None
+        member = self.member
+        # How this member's clients' changes reach the others (runtime/replication/modes.py):
+        # the member calls it wherever the modes differ, without asking which one it is.
+        self.replication = self._replication(config, cpg)
+        replication = self.replication
+        self.confirms = ConfirmGate(replication.number)
+        self.io = Node(
+            config,
+            member,
+            sequencer=replication.sequencer,
+            gate=self.confirms,
+            conn_counter=inherited.conn_counter,
+        )
+        # Operators' changes: answered once as safe as a durable confirm.
+        self.desk = AdminDesk(
+            member, replication.submit_admin, replication.number, settled=self._admin_settled
+        )
+        self.io.desk = self.desk
+        # The federation links this member runs (runtime/federation/federation.py).
+        self.federation = FederationLinks(
+            member,
+            config.broker.server_id,
+            # Without a server id, the CPG group names the cluster upstream (stable across
+            # restarts, unlike member ids: the upstream queue must keep its name).
+            config.broker.server_id or cluster.group,
+            self.desk,
+            lambda: self.view,
+            lambda: replication.link_members(self.membership),
+            lambda: self.serving and self.stops.halted is None and replication.active,
+            client_context(config.tls),
+            cluster_name=config.broker.cluster_name,
+        )
+        replication.attach(
+            self.io,
+            self.confirms,
+            self.desk,
+            stored=inherited.store is not None,
+            on_cut=self.federation.applied,
+            heartbeat=lambda: self.multicast.send_control(self.report()),
+            lapsed=self._lease_lapsed,
+        )
 
     # ------------------------------------------------------------------ for the process
 
