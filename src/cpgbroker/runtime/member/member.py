@@ -467,11 +467,6 @@ class ClusterNode:
 
     # ------------------------------------------------------------------ clients, for the process
 
-    @property
-    def conn_counter(self) -> int:
-        """Connection ids handed out so far (the next incarnation goes on from here)."""
-        return self.io.conn_counter
-
     def update_handler(self, address: str) -> Callable[[trio.SocketStream], Awaitable[None]]:
         """Take state updates at ``address`` (announced in our requests): the handler of its
         listener."""

@@ -73,6 +73,11 @@ class MemberStatus:
         connection.close)."""
         return len(self._node.io.local)
 
+    @property
+    def conn_counter(self) -> int:
+        """Connection ids handed out so far (the next incarnation goes on from here)."""
+        return self._node.io.conn_counter
+
     def state_name(self) -> str:
         """Where the member is: the membership's state, or what holds it (suspended,
         stopping, an error-check round, a state update, catching up after one)."""

@@ -572,7 +572,7 @@ class MemberProcess:
                         nursery.cancel_scope.cancel()
             finally:
                 unregister()
-                self.conn_counter = node.conn_counter
+                self.conn_counter = member.conn_counter
                 node.close()
             if member.failure is not None:
                 log.error("leaving the cluster: %s", member.failure)
