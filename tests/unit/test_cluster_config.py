@@ -13,8 +13,8 @@ from cpgbroker.cluster.membership import Fatal, Membership
 from cpgbroker.errors import ConfigError
 from cpgbroker.model.config import BrokerConfig
 from cpgbroker.model.connection import server_properties
+from cpgbroker.runtime.config.digest import config_digest
 from cpgbroker.runtime.config.settings import from_dict
-from cpgbroker.runtime.member.member import config_digest
 from cpgbroker.runtime.mgmt.mgmt_json import cluster_view
 
 

@@ -16,29 +16,16 @@ from cpgbroker.store.store import StoreSettings
 
 SHIPPED = Path(__file__).resolve().parents[2] / "configs" / "cpgbroker.toml"
 
-# Fields whose key in the file has another name, or that are sections or not keys at all.
+# Fields that are sections or arrays of tables rather than keys. Every other field's key is its
+# name, or its metadata's ``key`` (None: not in the file).
 IN_THE_FILE_AS = {
-    (ServerConfig, "log_level"): "level",
-    (ServerConfig, "log_format"): "format",
-    (ServerConfig, "admin_listen"): "admin",
     (ServerConfig, "broker"): None,  # [limits], [[users]], vhosts
     (ServerConfig, "cluster"): "[cluster]",
     (ServerConfig, "store"): "[store]",
     (ServerConfig, "tls"): "[tls]",
-    (ClusterConfig, "force_boot"): None,  # `cpgbroker start --force-boot` only
-    (StoreSettings, "directory"): "dir",
-    (StoreSettings, "segment_bytes"): "segment_mib",
-    (StoreSettings, "snapshot_bytes"): "snapshot_mib",
-    (StoreSettings, "free_disk_limit"): "free_disk_limit_mib",
     (BrokerConfig, "users"): "[[users]]",
     (BrokerConfig, "policies"): "[[policies]]",
     (BrokerConfig, "upstreams"): "[[federation.upstreams]]",
-    (BrokerConfig, "cluster_name"): "name",  # [cluster] name
-    # Set by the broker itself (server-properties, the members' URLs), not configurable.
-    (BrokerConfig, "product"): None,
-    (BrokerConfig, "version"): None,
-    (BrokerConfig, "member_urls"): None,
-    (BrokerConfig, "replicated"): None,  # whether [cluster] is there
     (User, "permissions"): "[[users.permissions]]",
 }
 
@@ -56,7 +43,7 @@ def missing_keys(text: str) -> list[str]:
     )
     for cls in classes:
         for field in attrs.fields(cls):
-            key = IN_THE_FILE_AS.get((cls, field.name), field.name)
+            key = IN_THE_FILE_AS.get((cls, field.name), field.metadata.get("key", field.name))
             if key is None:
                 continue
             # A section header, or `key =` (commented out or not).

@@ -19,8 +19,8 @@ from cpgbroker.model import permissions as P
 from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.config import BrokerConfig, Permission, User
+from cpgbroker.runtime.config.digest import config_digest
 from cpgbroker.runtime.config.settings import from_dict
-from cpgbroker.runtime.member.member import config_digest
 from modelclient import Client, Harness
 
 APP = Permission("/", configure=r"^app\.", write=r"^app\.|^amq\.default$", read=r"^app\.")

@@ -41,12 +41,13 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
+from cpgbroker.errors import ConfigError
 from cpgbroker.model.broker import Broker
-from cpgbroker.model.config import BrokerConfig
+from cpgbroker.model.config import CLUSTER_WIDE, BrokerConfig
 from cpgbroker.model.events import ClientConnected
 from cpgbroker.model.versions import NEWEST, OLDEST, supports
 from cpgbroker.store import meta, records, snapfile
@@ -65,28 +66,69 @@ class StoreMismatch(StoreError):
     """The store belongs to another cluster or model version: never recovered, never merged."""
 
 
+MiB = 2**20
+
+
+def _setting(test: Callable[[Any], bool], why: str) -> Callable[[Any, Any, Any], None]:
+    """A validator of a ``[store]`` key, named as in the file: ``test(value)`` or ConfigError."""
+
+    def validate(_settings: Any, field: attrs.Attribute[Any], value: Any) -> None:
+        if not test(value):
+            raise ConfigError(f"[store] {field.metadata.get('key', field.name)} {why}")
+
+    return validate
+
+
+_POSITIVE = _setting(lambda v: v >= 1, "must be a positive integer")
+
+
 @attrs.frozen
 class StoreSettings:
-    directory: str
+    """``[store]`` of cpgbroker.toml: each field is a key (runtime/config/sections.py reads it),
+    named in the file as its metadata's ``key`` says, in MiB where it says ``scale``."""
+
+    KEY: ClassVar[str] = "[store] {}"
+
+    # "" (no ``dir`` in the file): no store, the member keeps its state in memory only.
+    directory: str = attrs.field(default="", metadata={"key": "dir"})
     # "always": a durable confirm waits for an fsync of its event on every ready member (one
     # fsync covers everything applied since the previous one). "interval": fsync at most every
     # ``fsync_interval_ms``; confirms still wait for it (fewer fsyncs, more latency).
     # "never": written to the OS, never fsynced; confirms wait only for the write, so what
     # they vouch for survives the processes being killed but not the machines losing power.
-    fsync: str = "always"
-    fsync_interval_ms: int = 20
-    segment_bytes: int = 64 * 2**20
+    fsync: str = attrs.field(
+        default="always",
+        validator=_setting(
+            lambda v: v in FSYNC_POLICIES, f"must be one of {', '.join(FSYNC_POLICIES)}"
+        ),
+    )
+    fsync_interval_ms: int = attrs.field(default=20, metadata={"scale": 1}, validator=_POSITIVE)
+    segment_bytes: int = attrs.field(
+        default=64 * MiB, metadata={"key": "segment_mib", "scale": MiB}, validator=_POSITIVE
+    )
     # Journal bytes since the last snapshot that trigger the next one.
-    snapshot_bytes: int = 256 * 2**20
+    snapshot_bytes: int = attrs.field(
+        default=256 * MiB, metadata={"key": "snapshot_mib", "scale": MiB}, validator=_POSITIVE
+    )
     # Below this much free space on the store's file system the member raises a disk alarm
     # and publishers are blocked cluster-wide (RabbitMQ's disk_free_limit; 0: never).
-    free_disk_limit: int = 50 * 2**20
+    free_disk_limit: int = attrs.field(
+        default=50 * MiB,
+        metadata={"key": "free_disk_limit_mib", "scale": MiB},
+        validator=_setting(lambda v: v >= 0, "must be 0 (off) or a positive integer"),
+    )
     # "all": after a whole-cluster stop the cluster resumes once all ``size`` members are back
     # (the freshest store among them); a confirm waits for the stores of the members that
     # serve, however few. "majority": it resumes once a majority of ``size`` is back, and a
     # confirm that waits for the stores also needs a majority of ``size`` serving (RabbitMQ's
     # quorum queues), so the freshest store of any majority holds it.
-    recover_with: str = "all"
+    recover_with: str = attrs.field(
+        default="all",
+        metadata=CLUSTER_WIDE,
+        validator=_setting(
+            lambda v: v in RECOVER_WITH, f"must be one of {', '.join(RECOVER_WITH)}"
+        ),
+    )
 
 
 @attrs.define

@@ -2,6 +2,8 @@
 
 * ``settings``: :func:`load` gives a :class:`ServerConfig` (the model's settings plus this
   process's own: listeners, logging, cluster membership).
+* ``sections``: a section of the file read into its attrs class (cattrs): each key a field.
+* ``digest``: ``config_digest``, what members compare when one joins (``cluster_wide`` fields).
 * ``tls``: :class:`~.tls.TlsConfig`, the amqps server context and the user a client
   certificate names.
 
