@@ -182,7 +182,7 @@ def main() -> None:
     assert messages(backup) == n
     shipping = Shipping(1, "all", 1000, lambda ev: None, lambda: 0)
     # Output goes nowhere: the new primary has no client yet.
-    shipping.io = cast(Any, types.SimpleNamespace(execute=lambda out: None))
+    shipping.attach(cast(Any, types.SimpleNamespace(execute=lambda out: None)))
     result["promotion_s"] = round(timed(lambda: shipping.promote(backup, backup.now_ms)), 3)
     assert shipping.broker is not None and messages(shipping.broker) == n
     print(json.dumps(result, indent=2))

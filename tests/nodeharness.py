@@ -120,8 +120,8 @@ async def start(
         nursery.start_soon(n.multicast.sender)
         nursery.start_soon(deliver, n, c)
         nursery.start_soon(n.checkpoints.collect_digests)
-        if n.shipping is not None:
-            nursery.start_soon(n.shipping.run)
+        for task in n.replication.tasks():
+            nursery.start_soon(task)
     with trio.fail_after(5):
         for n in nodes:
             await n.ready.wait()

@@ -36,13 +36,13 @@ CHANGES = {"mode": "hot-standby", "replication": "changes"}
 async def test_backups_apply_batches_and_a_confirm_waits_for_all_of_them() -> None:
     async with trio.open_nursery() as nursery:
         (a, b, c), cpgs = await start(nursery, 3, **CHANGES)
-        assert a.shipping is not None and a.shipping.active
-        assert b.shipping is not None and not b.shipping.active
+        assert a.replication.shipping is not None and a.replication.shipping.active
+        assert b.replication.shipping is not None and not b.replication.shipping.active
         client = await open_confirm_channel(a)
         # The backups' brokers hold no connection: only what the primary changed.
         await until(lambda: "q" in b.broker.vhosts["/"].queues)
         assert not b.broker.connections and not a.broker.connections
-        assert len(a.shipping.broker.connections) == 1  # type: ignore[union-attr]
+        assert len(a.replication.shipping.broker.connections) == 1  # type: ignore[union-attr]
         cpgs[2].paused = True  # one backup does not get the batch yet
         await a.submit(ClientData(client.lc.id, publish_bytes(b"m1")))
         await until(lambda: messages(b.broker) == 1)
@@ -85,9 +85,9 @@ async def test_the_next_member_serves_what_the_backups_hold_when_the_primary_goe
                 (),
             )
         )
-        await until(lambda: b.shipping is not None and b.shipping.active)
-        assert c.shipping is not None and not c.shipping.active
-        served = b.shipping.broker
+        await until(lambda: b.replication.shipping is not None and b.replication.shipping.active)
+        assert c.replication.shipping is not None and not c.replication.shipping.active
+        served = b.replication.shipping.broker
         assert served is not None
         work = served.vhosts["/"].queues["q"]
         # What the consumer held comes back redelivered; what it acked is gone. m3 and m4 come
@@ -110,13 +110,13 @@ async def test_the_next_member_serves_what_the_backups_hold_when_the_primary_goe
 async def test_a_batch_gathers_while_ours_is_in_flight_and_what_was_acked_meanwhile_stays() -> None:
     async with trio.open_nursery() as nursery:
         (a, b, c), cpgs = await start(nursery, 3, **CHANGES)
-        assert a.shipping is not None
+        assert a.replication.shipping is not None
         client = await open_confirm_channel(a)
         # On a connection of its own: a connection's output waits behind its held confirms.
         consumer = await open_confirm_channel(a)
         await consumer.send(1, commands.Basic.Consume(queue="q"))
         await a.submit(DoOutput(consumer.lc.id, 100))
-        await until(lambda: a.shipping.shipped == a.shipping.delivered)  # type: ignore[union-attr]
+        await until(lambda: a.replication.shipping.shipped == a.replication.shipping.delivered)  # type: ignore[union-attr]
         # Every CPG message the primary multicasts from here on.
         bus = cpgs[0].bus
         sent: list[bytes] = []
@@ -128,9 +128,9 @@ async def test_a_batch_gathers_while_ours_is_in_flight_and_what_was_acked_meanwh
 
         bus.post = post  # type: ignore[method-assign]
         cpgs[0].paused = True  # the primary's own batches are not delivered back to it yet
-        shipped = a.shipping.shipped
+        shipped = a.replication.shipping.shipped
         await a.submit(ClientData(client.lc.id, publish_bytes(b"first")))
-        await until(lambda: a.shipping.shipped == shipped + 1)  # type: ignore[union-attr]
+        await until(lambda: a.replication.shipping.shipped == shipped + 1)  # type: ignore[union-attr]
         # While that batch is in flight the next one gathers: this message is published,
         # delivered and acked before it is cut.
         body = b"s" * 5000
@@ -138,12 +138,12 @@ async def test_a_batch_gathers_while_ours_is_in_flight_and_what_was_acked_meanwh
         await until(lambda: delivered(consumer) == 2)
         await consumer.send(1, commands.Basic.Ack(delivery_tag=2, multiple=True))
         await trio.sleep(0.05)
-        assert a.shipping.shipped == shipped + 1
+        assert a.replication.shipping.shipped == shipped + 1
         assert acks(client) == [], "no confirm before its batch is delivered everywhere"
         cpgs[0].resume()
         await until(lambda: len(acks(client)) == 2)
-        assert a.shipping.shipped == shipped + 2
-        assert a.shipping.elided == 1
+        assert a.replication.shipping.shipped == shipped + 2
+        assert a.replication.shipping.elided == 1
         assert not any(body in data for data in sent), "the acked message crossed the ring"
         assert any(b"first" in data for data in sent)
         await until(lambda: a.broker.event_seq == b.broker.event_seq == c.broker.event_seq)
@@ -159,7 +159,7 @@ async def test_a_message_shipped_earlier_reaches_its_consumer_once_its_delivery_
     delivered in one batch goes out at once (a member lacking that batch never held it)."""
     async with trio.open_nursery() as nursery:
         (a, b, _c), cpgs = await start(nursery, 3, **CHANGES)
-        shipping = a.shipping
+        shipping = a.replication.shipping
         assert shipping is not None
         client = await open_confirm_channel(a)
         # A quorum queue: its messages are never reserved ahead (model/changes.py).
@@ -216,7 +216,7 @@ async def test_a_backed_up_queue_reserves_what_follows_and_delivers_it_at_once_o
     the primary's batches are not coming back."""
     async with trio.open_nursery() as nursery:
         (a, b, _c), cpgs = await start(nursery, 3, **CHANGES)
-        shipping = a.shipping
+        shipping = a.replication.shipping
         assert shipping is not None
         client = await open_confirm_channel(a)
         for i in range(10):
@@ -281,7 +281,7 @@ async def test_output_waiting_for_a_batch_without_records_still_waits_for_ours_i
     an exclusive queue) still wait for a batch; while ours is in flight it gathers them."""
     async with trio.open_nursery() as nursery:
         (a, _b, _c), cpgs = await start(nursery, 3, **CHANGES)
-        shipping = a.shipping
+        shipping = a.replication.shipping
         assert shipping is not None
         client = await open_confirm_channel(a)
         await until(lambda: shipping.shipped == shipping.delivered)
@@ -303,7 +303,7 @@ async def test_a_batch_nobody_waits_for_lingers_and_what_was_consumed_meanwhile_
     monkeypatch.setattr(shipping_module, "LINGER", 1.0)
     async with trio.open_nursery() as nursery:
         (a, b, _c), _cpgs = await start(nursery, 3, **CHANGES)
-        shipping = a.shipping
+        shipping = a.replication.shipping
         assert shipping is not None
         # Publisher and consumer without confirms: nobody waits for their batches.
         publisher = await open_confirm_channel(a, confirms=False)
@@ -372,7 +372,7 @@ async def test_a_primary_whose_batch_fails_on_every_member_leaves_unconfirmed(
         await until(lambda: a.failure is not None)
         # Until its process ends the incarnation, nothing more is confirmed either: not by a
         # later batch, nor by one cut for the output held (a tick's).
-        await a.shipping.submit(Tick(a.io.now_ms()))  # type: ignore[union-attr]
+        await a.replication.shipping.submit(Tick(a.io.now_ms()))  # type: ignore[union-attr]
         await trio.sleep(0.2)
         assert len(acks(client)) == 1, "a message in a batch no member took was confirmed"
         await a.submit(ClientData(client.lc.id, publish_bytes(b"after")))

@@ -2,6 +2,8 @@
 each delivered CPG event to the components that own their state, and those components.
 
 * ``member``: the deliver loop and event routing; ``config_digest``.
+* ``status``: :class:`~.status.MemberStatus`, what the process wing reads of a member (one
+  facade, instead of reaching through the member into its components).
 * ``multicast``: submitting events to CPG, batching. ``cpg_trio`` and ``quorum_trio``: libcpg
   and votequorum under trio. ``ringgate``: whether the ring may serve (quorum).
 * ``checkpoints``, ``errorchecks``, ``stops``, ``eventlog``, ``applytimes``, ``lease`` (the

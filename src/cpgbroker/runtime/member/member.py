@@ -14,7 +14,9 @@ deliveries in total order, routes each item to the component whose job it is and
 what they return. Each component owns its state and never imports this module:
 
 * ``runtime/amqp/server.py`` :class:`~cpgbroker.runtime.amqp.server.Node`: client I/O; it is
-  given the multicaster as its sequencer and the confirm gate;
+  given the replication mode's sequencer and the confirm gate;
+* ``runtime/replication/modes.py``: the replication mode (replaying client bytes, or shipping
+  state changes), called wherever the modes differ without asking which one it is;
 * ``runtime/member/multicast.py``: submit, direct sends, batching, the sender task, the lag wait;
 * ``cluster/progress.py`` (pure): peer progress, the stable sequence, report pacing;
   ``runtime/amqp/confirms.py``: local output held until its confirm is stable;
@@ -34,11 +36,14 @@ member, and what a decision means for the others (suspending, resynchronising, l
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import hashlib
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
@@ -95,7 +100,7 @@ from cpgbroker.model.events import (
 from cpgbroker.model.versions import NEWEST, OLDEST
 from cpgbroker.runtime.admin.admindesk import AdminDesk
 from cpgbroker.runtime.amqp.confirms import ConfirmGate
-from cpgbroker.runtime.amqp.server import Node
+from cpgbroker.runtime.amqp.server import ClientStream, Node, forced_close_frame
 from cpgbroker.runtime.config.settings import ServerConfig
 from cpgbroker.runtime.federation.federation import FederationLinks, client_context
 from cpgbroker.runtime.member.applytimes import APPLY_SAMPLE, ApplyTimes
@@ -109,6 +114,7 @@ from cpgbroker.runtime.member.quorum_trio import TrioQuorum
 from cpgbroker.runtime.member.ringgate import VERDICT_TIMEOUT, RingGate
 from cpgbroker.runtime.member.stops import STOP_SETTLE, Stops
 from cpgbroker.runtime.member.watchdog import ApplyMark
+from cpgbroker.runtime.replication.modes import ReplayingBytes, Replication, ShippingChanges
 from cpgbroker.runtime.replication.shipping import Shipping
 from cpgbroker.runtime.replication.standby import HotStandby, primary_of
 from cpgbroker.runtime.update.giving import DeferredUpdate, Updater
@@ -171,6 +177,28 @@ def config_digest(config: ServerConfig) -> bytes:
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).digest()
 
 
+@attrs.frozen
+class Inherited:
+    """What an incarnation takes over from the process and the incarnations before it."""
+
+    # Connection ids handed out so far: the next ones go on from there.
+    conn_counter: int = 0
+    # A model kept since quorum was lost, or recovered from the store, with its history epoch.
+    kept: tuple[Broker, int] | None = None
+    # Which incarnation of this process it is (1: the first).
+    incarnation: int = 1
+    # Updater children of every incarnation, reaped by the process (runtime/update/giving.py).
+    updates: dict[int, dict[str, Any]] | None = None
+    # The event being applied, shared with the watchdog's feeder thread.
+    applying: ApplyMark | None = None
+    # The durable store (None: memory only), shared by every incarnation.
+    store: Store | None = None
+    # ``kept`` was recovered from the store after the process (re)started.
+    restarted: bool = False
+    # ``--force-boot``: serve without waiting for the other members' stores.
+    forced: bool = False
+
+
 class ClusterNode:
     """One incarnation of a cluster member: one CPG membership and its model."""
 
@@ -181,17 +209,12 @@ class ClusterNode:
         member: int,
         *,
         quorum: TrioQuorum | None = None,
-        conn_counter: int = 0,
-        kept: tuple[Broker, int] | None = None,
-        incarnation: int = 1,
-        updates: dict[int, dict[str, Any]] | None = None,
-        applying: ApplyMark | None = None,
-        store: Store | None = None,
-        restarted: bool = False,
-        forced: bool = False,
+        inherited: Inherited | None = None,
     ) -> None:
         cluster = config.cluster
         assert cluster is not None
+        inherited = Inherited() if inherited is None else inherited
+        kept, store, forced = inherited.kept, inherited.store, inherited.forced
         self.config = config
         self.member = member
         # Without a quorum handle (unit tests on an in-memory bus) nothing is gated.
@@ -210,7 +233,7 @@ class ClusterNode:
         self.kept = kept
         # The kept model was recovered from the store after the process (re)started: resuming
         # it drops what a broker restart drops (``Recovered``).
-        self.restarted = restarted
+        self.restarted = inherited.restarted
         # This member's durable store (None: memory only). It journals every applied event.
         self.store = store
         # Its state must not be offered again when it rejoins (it holds what the serving
@@ -242,84 +265,25 @@ class ClusterNode:
         self.progress = PeerProgress(member, cluster.max_lag)
         self.multicast = Multicaster(cpg, self.progress, self.lag, self.report)
         send = self.multicast.send_control
-        # Hot standby shipping state changes (runtime/replication/shipping.py): the primary's
-        # clients and operators are served by its own broker, which ships what it changed; confirms
-        # and answers wait for the batch that carries them. None: the stream carries client events.
-        self.shipping = (
-            Shipping(
-                member,
-                cluster.replicate,
-                config.tick_ms,
-                self.multicast.submit_nowait,
-                lambda: self.multicast.queued_bytes,
-            )
-            if cluster.replication == "changes"
-            else None
-        )
-        shipping = self.shipping
-        self.confirms = ConfirmGate(self._event_seq if shipping is None else shipping.batch_number)
-        self.io = Node(
-            config,
-            member,
-            sequencer=self.multicast if shipping is None else shipping,
-            gate=self.confirms,
-            conn_counter=conn_counter,
-        )
-        if shipping is not None:
-            shipping.io = self.io
-        # Shipping changes: the primary keeps its clients while the ring carries its messages
-        # (runtime/member/lease.py).
-        self.lease = PrimaryLease(lambda: cpg.last_own_sent_at)
-        # A sample of how long events take to apply (runtime/member/applytimes.py).
-        self.apply_times = ApplyTimes()
-        # Operators' changes: answered once as safe as a durable confirm.
-        self.desk = (
-            AdminDesk(member, self.multicast.submit, self._event_seq, settled=self._admin_settled)
-            if shipping is None
-            else AdminDesk(
-                member, self._submit_shipped, shipping.batch_number, settled=self._admin_settled
-            )
-        )
-        self.io.desk = self.desk
-        self.broker.admin.local_member = member
-        # The federation links this member runs (runtime/federation/federation.py).
-        self.federation = FederationLinks(
-            member,
-            config.broker.server_id,
-            # Without a server id, the CPG group names the cluster upstream (stable across
-            # restarts, unlike member ids: the upstream queue must keep its name).
-            config.broker.server_id or cluster.group,
-            self.desk,
-            # Shipping changes, the primary runs every link, against its serving broker (its
-            # operators' changes and the messages links bring in are applied there).
-            lambda: self.view,
-            (lambda: self.membership.ready_members)
-            if shipping is None
-            else (lambda: [self.member]),
-            (lambda: self.serving and self.stops.halted is None)
-            if shipping is None
-            else (lambda: self.serving and self.stops.halted is None and shipping.active),
-            client_context(config.tls),
-            cluster_name=config.broker.cluster_name,
-        )
-        if shipping is not None:
-            # What held output and answers wait for, so that a batch asks to be reported.
-            shipping.waiting(self.confirms, self.desk, stored=store is not None)
-            # A push queue grows as the serving broker applies its clients' publishes.
-            shipping.on_cut = self.federation.applied
         # Hot standby: who takes clients (runtime/replication/standby.py); None: every member does.
         self.standby = (
             HotStandby(member, lambda: self.membership, lambda: self.serving)
             if cluster.mode == "hot-standby"
             else None
         )
-        self.eventlog = EventLog(cluster.event_log, member, incarnation)
+        self._build_wings(config, cpg, inherited)
+        # A sample of how long events take to apply (runtime/member/applytimes.py).
+        self.apply_times = ApplyTimes()
+        self.broker.admin.local_member = member
+        self.eventlog = EventLog(cluster.event_log, member, inherited.incarnation)
         self.checkpoints = Checkpointer(
             member, cluster.checkpoint_every, send, self.eventlog, self._vouches
         )
         self.partitions = Partitions()
         self.newcomer = Newcomer(member, self.membership, config.broker, send, self._install)
-        self.updater = Updater(member, incarnation, cluster.update_rate_limit, updates)
+        self.updater = Updater(
+            member, inherited.incarnation, cluster.update_rate_limit, inherited.updates
+        )
         self.stops = Stops(member, self.multicast, self.eventlog)
         self.errorchecks = ErrorChecks(
             member,
@@ -336,7 +300,56 @@ class ClusterNode:
         # Read on the hot path (one attribute load): is this member held by a round?
         self.stall = self.errorchecks.stall
         # The event being applied, for the watchdog's feeder thread (runtime/member/watchdog.py).
-        self.applying = ApplyMark() if applying is None else applying
+        self.applying = ApplyMark() if inherited.applying is None else inherited.applying
+
+    def _build_wings(self, config: ServerConfig, cpg: TrioCpg, inherited: Inherited) -> None:
+        """The parts of other wings the member drives (the replication mode, the clients'
+        side with its confirm gate, the admin desk, the federation links), each built on the
+        one before; the mode is handed the rest in one attach. Kept apart from the member's
+        own components so that a builder in the process wing can take them over whole."""
+        cluster = config.cluster
+        assert cluster is not None
+        member = self.member
+        # How this member's clients' changes reach the others (runtime/replication/modes.py):
+        # the member calls it wherever the modes differ, without asking which one it is.
+        self.replication = self._replication(config, cpg)
+        replication = self.replication
+        self.confirms = ConfirmGate(replication.number)
+        self.io = Node(
+            config,
+            member,
+            sequencer=replication.sequencer,
+            gate=self.confirms,
+            conn_counter=inherited.conn_counter,
+        )
+        # Operators' changes: answered once as safe as a durable confirm.
+        self.desk = AdminDesk(
+            member, replication.submit_admin, replication.number, settled=self._admin_settled
+        )
+        self.io.desk = self.desk
+        # The federation links this member runs (runtime/federation/federation.py).
+        self.federation = FederationLinks(
+            member,
+            config.broker.server_id,
+            # Without a server id, the CPG group names the cluster upstream (stable across
+            # restarts, unlike member ids: the upstream queue must keep its name).
+            config.broker.server_id or cluster.group,
+            self.desk,
+            lambda: self.view,
+            lambda: replication.link_members(self.membership),
+            lambda: self.serving and self.stops.halted is None and replication.active,
+            client_context(config.tls),
+            cluster_name=config.broker.cluster_name,
+        )
+        replication.attach(
+            self.io,
+            self.confirms,
+            self.desk,
+            stored=inherited.store is not None,
+            on_cut=self.federation.applied,
+            heartbeat=lambda: self.multicast.send_control(self.report()),
+            lapsed=self._lease_lapsed,
+        )
 
     # ------------------------------------------------------------------ for the process
 
@@ -347,38 +360,57 @@ class ClusterNode:
 
     def guarded_tasks(self) -> list[Any]:
         """The incarnation's tasks whose ``ClusterError`` means this member must leave."""
-        tasks = [
+        return [
             self.multicast.sender,
             self.deliver_loop,
             self.catch_up,
             self.checkpoints.collect_digests,
+            *self.replication.guarded_tasks(),
         ]
-        if self.shipping is not None:
-            tasks.append(self.hold_lease)
-        return tasks
 
-    async def hold_lease(self) -> None:
-        """Shipping changes: the primary's lease (runtime/member/lease.py)."""
-        shipping = self.shipping
-        assert shipping is not None
-        cluster = self.config.cluster
-        await self.lease.run(
-            lambda: shipping.active,
-            lambda: self.multicast.send_control(self.report()),
-            self._lease_lapsed,
-            None if cluster is None else cluster.netns or None,
+    def tasks(self) -> list[Any]:
+        """The incarnation's other tasks."""
+        tasks: list[Any] = [self.cluster_ticker, self.federation.run]
+        standby = self.standby
+        if standby is not None:
+            tasks.append(functools.partial(standby.watch, self.io.close_all))
+        return [*tasks, *self.replication.tasks()]
+
+    def _replication(self, config: ServerConfig, cpg: TrioCpg) -> Replication:
+        """The replication mode of the configuration (runtime/replication/modes.py)."""
+        cluster = config.cluster
+        assert cluster is not None
+        if cluster.replication != "changes":
+            return ReplayingBytes(self.multicast, self._event_seq)
+        # Shipping changes needs hot standby (the configuration says so).
+        assert self.standby is not None
+        shipping = Shipping(
+            self.member,
+            cluster.replicate,
+            config.tick_ms,
+            self.multicast.submit_nowait,
+            lambda: self.multicast.queued_bytes,
+        )
+        return ShippingChanges(
+            shipping,
+            self.standby,
+            # The primary keeps its clients while the ring carries its messages
+            # (runtime/member/lease.py).
+            PrimaryLease(lambda: cpg.last_own_sent_at),
+            self._version_verdict,
+            cluster.netns or None,
         )
 
-    def _lease_lapsed(self) -> None:
-        """No message of ours came back through the ring for the lease's length: another
+    def _lease_lapsed(self, length: float) -> None:
+        """No message of ours came back through the ring for the lease's ``length``: another
         member may be primary by now. Stop serving before a client can tell two apart, and
         come back as a backup (runtime/member/lease.py, "After a lapse")."""
         log.error(
             "hot-standby lease lapsed: no message of ours came back through the ring for "
             "%.2f s, another member may be primary by now: closing this member's clients",
-            self.lease.length,
+            length,
         )
-        self.suspend(f"hot-standby lease lapsed after {self.lease.length:.2f} s", LAPSED)
+        self.suspend(f"hot-standby lease lapsed after {length:.2f} s", LAPSED)
 
     @property
     def serving(self) -> bool:
@@ -429,8 +461,52 @@ class ClusterNode:
         self.suspend(reason)
 
     def close(self) -> None:
+        self.updater.end()
         self.checkpoints.close()  # digest children of an ended incarnation
         self.eventlog.close()
+
+    # ------------------------------------------------------------------ clients, for the process
+
+    def update_handler(self, address: str) -> Callable[[trio.SocketStream], Awaitable[None]]:
+        """Take state updates at ``address`` (announced in our requests): the handler of its
+        listener."""
+        self.newcomer.address = address
+        return self.newcomer.handler
+
+    async def serve_client(self, stream: ClientStream) -> None:
+        await self.io.handle(stream)
+
+    async def admin_request(
+        self, user: str, op: str, args: dict[str, Any], timeout: float
+    ) -> tuple[int, Any]:
+        """An operator's change, answered once as safe as a durable confirm."""
+        return await self.desk.request(user, op, args, timeout)
+
+    async def shutdown_clients(self, grace: float) -> None:
+        """Signalled: tell the clients to go, give them ``grace`` seconds."""
+        await self.io.shutdown_clients(grace)
+
+    async def let_clients_go(self, grace: float) -> None:
+        """Told to go already: the clients get up to ``grace`` seconds to read their
+        connection.close and leave; the rest are cut."""
+        with trio.move_on_after(grace):
+            while self.io.local:
+                await trio.sleep(0.02)
+        self.io.cancel_clients()
+
+    async def drop_clients(self, text: str) -> None:
+        """Leaving the cluster: our clients must fail over; tell them why, then drop them. The
+        other members see us leave through CPG and close our clients' shadows at that point."""
+        frame = forced_close_frame(text)
+        for lc in list(self.io.local.values()):
+            with (
+                trio.move_on_after(1),
+                contextlib.suppress(
+                    trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError
+                ),
+            ):
+                await lc.stream.send_all(frame)
+            await lc.stream.aclose()
 
     # ------------------------------------------------------------------ progress
 
@@ -480,31 +556,20 @@ class ClusterNode:
         self.progress.durable_reported = durable
         return codec.encode(Progress(self.member, seq, durable))
 
-    def _stable_batches(self) -> tuple[int, int]:
-        """Shipping changes: our last batch every ready member applied, and stored."""
-        assert self.shipping is not None
+    def _stable_marks(self) -> tuple[int, int | None]:
+        """What held output waits for that every ready member applied, and (None: no store)
+        stored: events, or (shipping changes) our batches."""
         durable = None if self.store is None else self.durable_stable_seq()
-        return self.shipping.stable_batch(self.stable_seq(), durable)
+        return self.replication.stable(self.stable_seq(), durable)
 
     def _admin_settled(self) -> int:
-        """The highest event whose changes an operator may be told are done (see desk);
-        shipping changes: the highest of our batches."""
-        if self.shipping is not None:
-            applied, stored = self._stable_batches()
-            return applied if self.store is None else stored
-        return self.stable_seq() if self.store is None else self.durable_stable_seq()
+        """The highest event (or batch) whose changes an operator may be told are done."""
+        applied, stored = self._stable_marks()
+        return applied if stored is None else stored
 
     def _release_stable(self) -> None:
-        if self.shipping is not None:
-            # Output waits for batches (runtime/replication/shipping.py).
-            applied, stored = self._stable_batches()
-            self.confirms.release(applied, self.io, None if self.store is None else stored)
-        else:
-            self.confirms.release(
-                self.stable_seq(),
-                self.io,
-                None if self.store is None else self.durable_stable_seq(),
-            )
+        applied, stored = self._stable_marks()
+        self.confirms.release(applied, self.io, stored)
         if self.desk.unsettled:
             self.desk.settle(self._admin_settled())
 
@@ -586,9 +651,9 @@ class ClusterNode:
             self.io.answer_expected = False
             if self.confirms.holding or self.desk.unsettled:
                 self._release_stable()
-            elif self.shipping is not None and self.shipping.unsettled_takes:
+            elif self.replication.unsettled:
                 # Nothing waits, but reservations the next deliveries may use do.
-                self._stable_batches()
+                self._stable_marks()
             self.federation.applied()
 
     def _report_for_confirms(self) -> None:
@@ -715,8 +780,8 @@ class ClusterNode:
         explain (the same event applies cleanly elsewhere, or everywhere fails alike): the
         cluster decides in an error-check round."""
         raising = type(e) is AdminCommand and e.op == RAISE_MODEL_VERSION
-        shipping = self.shipping
-        if shipping is not None and not shipping.takes(e, sender, self.membership):
+        replication = self.replication
+        if not replication.takes(e, sender, self.membership):
             return
         broker = self.broker
         seq = broker.event_seq + 1
@@ -752,8 +817,8 @@ class ClusterNode:
             self._set_version(broker.version.current)
         if type(e) is ClientConnected and e.member != self.member:
             broker.set_emit(e.conn, False)
-        elif shipping is not None:
-            shipping.applied(broker, sender, self.updater)
+        else:
+            replication.applied(broker, sender, self.updater)
         self._after_apply(e, sender)
 
     def _version_verdict(self, e: AdminCommand) -> AdminCommand:
@@ -774,14 +839,6 @@ class ClusterNode:
             return e
         args["refused"] = refused
         return attrs.evolve(e, args=json.dumps(args).encode())
-
-    async def _submit_shipped(self, ev: Any) -> None:
-        """An operator's change on a hot-standby primary shipping changes: applied by its
-        serving broker, which alone decides (its batches carry the version it runs)."""
-        assert self.shipping is not None
-        if type(ev) is AdminCommand and ev.op == RAISE_MODEL_VERSION:
-            ev = self._version_verdict(ev)
-        await self.shipping.submit(ev)
 
     def _set_version(self, version: int) -> None:
         """This member's state runs model ``version`` from here on."""
@@ -880,28 +937,22 @@ class ClusterNode:
         self._check_role()
 
     def _check_role(self) -> None:
-        """Shipping changes: become primary (serve a copy of the replica) when the stream
-        says so, at the same point on every member; or stop serving when it no longer does."""
-        shipping = self.shipping
-        if shipping is None or self.suspended is not None or self.failure is not None:
+        """The replication mode may change roles here (shipping changes: become primary when
+        the stream says so, at the same point on every member, or stop serving)."""
+        if self.suspended is not None or self.failure is not None:
             return
+        self.replication.check_role(self._primary_here, self.broker)
+
+    def _primary_here(self) -> bool:
+        """Whether the stream makes this member the hot-standby primary now."""
         primary = primary_of(self.membership)
-        mine = (
+        return (
             self.membership.state == READY
             and self.ready.is_set()
             and self.stops.halted is None
             and primary is not None
             and primary.member == self.member
         )
-        if mine and not shipping.active:
-            self.lease.grant(time.monotonic())
-            shipping.promote(self.broker, self.io.now_ms())
-        elif not mine and shipping.active:
-            shipping.demote()
-            self.confirms.drop()
-            assert self.standby is not None
-            why = self.standby.refusal() or "this member is no longer the hot-standby primary"
-            self.io.force_close(why, "no longer primary")
 
     def _on_partition_merge(self, ev: PartitionMerge) -> None:
         """Two sides of a partition merged: neither saw what the other applied meanwhile.
@@ -1032,30 +1083,9 @@ class ClusterNode:
             self.newcomer.on_request(e)
             return
         membership = self.membership
-        me = membership.members.get(self.member)
-        newcomer = membership.members.get(e.member)
-        if (
-            e.updater != self.member
-            or membership.state != READY
-            or me is None
-            or me.status != STATUS_READY
-            or newcomer is None
-            # A newcomer whose hello was refused, or whose release cannot apply the model
-            # version of our state (the cluster moved up after it heard a serving member's
-            # older hello), never gets a state it would apply by other rules.
-            or newcomer.status is None
-            or not newcomer.versions[0] <= self.broker.version.current <= newcomer.versions[1]
-            # A stopping member's model ends before the request's point: the newcomer asks
-            # another member once this one has left.
-            or self.stops.halted is not None
+        if not self.updater.gives(
+            e, membership, self.broker.version.current, self.stops.halted is not None
         ):
-            if newcomer is not None and e.updater == self.member and newcomer.status is not None:
-                log.warning(
-                    "no state update for member %s (%s): this state runs model version %d",
-                    e.member,
-                    newcomer.software or "unknown software",
-                    self.broker.version.current,
-                )
             return
         members = membership.export()
         if self.stall.stalled is not None:
@@ -1067,22 +1097,15 @@ class ClusterNode:
         self._fork_update(e, members)
 
     def _fork_update(self, e: UpdateRequest, members: list[list[Any]]) -> None:
-        """Send our state to the newcomer ``e`` names; a replica (shipping changes) sends
-        each queue from its back and leaves out what consumers take meanwhile."""
-        lifo = self.shipping is not None
-        self.updater.fork(e, members, self.broker, lifo)
-        if lifo:
-            self.broker.replication.released = []
+        """Send our state to the newcomer ``e`` names (as the replication mode sends it)."""
+        self.replication.fork_update(self.updater, e, members, self.broker)
 
     def _install(self, broker: Broker, members: list[list[Any]]) -> None:
         """The newcomer installs the state of its update point."""
         self.broker = broker
         self.membership.model_version = broker.version.current
         broker.admin.local_member = self.member
-        if self.shipping is not None:
-            # The update left out what was consumed while it was sent: the replay finds
-            # records for messages it does not have (model/replica.py).
-            broker.replication.catching_up = True
+        self.replication.installed(broker)
         if self.store is not None:
             # Whatever the store held (older, or as fresh as the resumed member's state) is
             # replaced by what the cluster serves.
@@ -1105,7 +1128,7 @@ class ClusterNode:
             self.broker.fail_event(e, "internal error while processing this connection")
         )
         self._after_apply(e, sender, failed=True)
-        if self.shipping is not None and self.shipping.failed(e, sender):
+        if self.replication.failed(e, sender):
             log.error("a change batch of this primary failed on every member: leaving")
             self.fail("a change batch of this primary failed to apply on every member")
 
@@ -1152,7 +1175,7 @@ class ClusterNode:
                 and membership.clock_master == self.member
                 # Shipping changes, the serving broker keeps its own time
                 # (runtime/replication/shipping.py).
-                and self.shipping is None
+                and self.replication.stream_ticks
             ):
                 await self.multicast.submit(Tick(self.io.now_ms()))
 
@@ -1160,19 +1183,4 @@ class ClusterNode:
     def view(self) -> Broker:
         """The broker the management API and /metrics read: the serving broker of a primary
         shipping changes (its clients, consumers and unacked messages), else the stream's."""
-        if self.shipping is not None and self.shipping.broker is not None:
-            return self.shipping.broker
-        return self.broker
-
-    def state_name(self) -> str:
-        if self.suspended is not None:
-            return "suspended"
-        if self.stops.halted is not None:
-            return "stopping"
-        if self.stall.stalled is not None:
-            return "error-check"
-        if self.membership.state == NEEDS_UPDATE:
-            return "updating" if self.newcomer.progress is not None else "needs-update"
-        if self.newcomer.installed and not self.ready.is_set():
-            return "catching-up"
-        return self.membership.state
+        return self.replication.view(self.broker)

@@ -18,7 +18,6 @@ from typing import Any
 
 import trio
 
-from cpgbroker.cluster.codec import STATUS_NAMES
 from cpgbroker.cluster.membership import member_id
 from cpgbroker.corosync import cmap
 from cpgbroker.corosync.cpg import tune_malloc
@@ -33,7 +32,6 @@ from cpgbroker.runtime.amqp.server import (
     RECV_SIZE,
     ClientStream,
     forced_close_frame,
-    model_status,
     open_listeners,
     wait_for_signal,
 )
@@ -45,8 +43,10 @@ from cpgbroker.runtime.member.member import (
     RESYNC_TEXT,
     SUSPEND_GRACE,
     ClusterNode,
+    Inherited,
 )
 from cpgbroker.runtime.member.quorum_trio import TrioQuorum, open_quorum
+from cpgbroker.runtime.member.status import MemberStatus
 from cpgbroker.runtime.member.storage import StoreLink
 from cpgbroker.runtime.process import sdnotify
 from cpgbroker.runtime.update.giving import close_released
@@ -110,7 +110,9 @@ class MemberProcess:
         self.config = config
         self.cluster = config.cluster
         self.quorum = quorum
+        # The current incarnation, and what the process reads of it (runtime/member/status.py).
         self.node: ClusterNode | None = None
+        self.member: MemberStatus | None = None
         self.conn_counter = 0
         self.incarnations = 0
         self.phase = "waiting-for-quorum"
@@ -139,12 +141,12 @@ class MemberProcess:
         )
 
     def status(self, with_digest: bool = False) -> dict[str, Any]:
-        node = self.node
-        if node is not None and node.suspended is None:
-            out = member_status(node, with_digest)
+        member = self.member
+        if member is not None and member.suspended is None:
+            out = member.report(with_digest)
         else:
             out = {
-                "member": None if node is None else node.member,
+                "member": None if member is None else member.member,
                 "url": self.cluster.url,
                 "state": self.phase,
                 "digest": None,
@@ -152,7 +154,7 @@ class MemberProcess:
                 "members": [],
                 # A suspended member's clients linger until they read connection.close.
                 "connections": {
-                    "local": 0 if node is None else len(node.io.local),
+                    "local": 0 if member is None else member.local_clients,
                     "shadow": 0,
                 },
                 "queues": {},
@@ -186,36 +188,29 @@ class MemberProcess:
         """The model the management API and /metrics read: the current incarnation's while it
         serves (before, a newcomer's model is still empty or half transferred; once suspended,
         it is no longer the cluster's state)."""
-        node = self.node
-        if node is None or node.suspended is not None or not node.serving:
-            return None
-        return node.view
+        return None if self.member is None else self.member.replica()
 
     async def admin_command(
         self, user: str, op: str, args: dict[str, Any], timeout: float
     ) -> tuple[int, Any]:
         """An operator's change (runtime/mgmt/mgmt_write.py), through the serving incarnation."""
-        node = self.node
-        if node is None or not node.serving or node.halted is not None:
+        node, member = self.node, self.member
+        if node is None or member is None or not member.serving or member.halted is not None:
             return 503, {
                 "error": "unavailable",
                 "reason": f"this member does not serve ({self.phase})",
             }
-        if node.shipping is not None and not node.shipping.active:
+        if (why := member.admin_refusal()) is not None:
             # Shipping changes, only the primary's broker applies operators' changes.
-            assert node.standby is not None
-            return 503, {
-                "error": "unavailable",
-                "reason": node.standby.refusal() or "this member is a hot-standby backup",
-            }
-        return await node.desk.request(user, op, args, timeout)
+            return 503, {"error": "unavailable", "reason": why}
+        return await node.admin_request(user, op, args, timeout)
 
     async def control(self, path: str, args: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """``POST /stop`` {"member": ID} (none: the whole cluster), ``POST /upgrade-finish``
         {"version": N} (none: the newest this member applies) and ``POST /faults``
         {"kind", "at_seq", "seconds"} from the status endpoint."""
-        node = self.node
-        if node is None or not node.serving or node.halted is not None:
+        node, member = self.node, self.member
+        if node is None or member is None or not member.serving or member.halted is not None:
             return 409, {"error": f"this member does not serve ({self.phase}): ask another"}
         try:
             if path == "/stop":
@@ -232,7 +227,7 @@ class MemberProcess:
                     return 403, {"error": "fault injection is off ([cluster] fault_injection)"}
                 return 200, node.inject_fault(
                     str(args.get("kind")),
-                    admin.json_int(args, "at_seq", node.broker.event_seq + 1),
+                    admin.json_int(args, "at_seq", member.event_seq + 1),
                     float(args.get("seconds", 0.0)),
                 )
         except (ClusterError, ValueError, TypeError) as e:
@@ -266,32 +261,31 @@ class MemberProcess:
 
     def progress(self) -> str:
         """One line for ``systemctl status`` (cheap: no model work)."""
-        node = self.node
+        member = self.member
         return sdnotify.member_line(
             self.phase,
-            None if node is None else node.state_name(),
-            [] if node is None else list(node.membership.members),
+            None if member is None else member.state_name(),
+            [] if member is None else member.members(),
             self.cluster.size,
-            None if node is None else node.member,
+            None if member is None else member.member,
         )
 
     async def handle_client(self, stream: ClientStream) -> None:
-        node = self.node
+        node, member = self.node, self.member
         if self.stop.is_set():
             await refuse(stream, "broker shutdown")
             return
-        if node is None or not node.serving:
+        if node is None or member is None or not member.serving:
             self.refused += 1
             await refuse(stream, NOT_QUORATE_TEXT if not self.quorum.quorate else RESYNC_TEXT)
             return
-        standby = node.standby
-        if standby is not None and (why := standby.refusal()) is not None:
+        refusal = member.client_refusal(self.config.broker)
+        if refusal is not None:
             # A hot-standby backup: the client is told where the primary is.
             self.refused += 1
-            start = standby.greeting(self.config.broker, node.broker.topology.member_urls)
-            await refuse(stream, why, start)
+            await refuse(stream, *refusal)
             return
-        await node.io.handle(stream)
+        await node.serve_client(stream)
 
     async def run(
         self, task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED
@@ -307,9 +301,9 @@ class MemberProcess:
         storage, self.storage = self.storage, None
         if storage is None:
             return
-        node = self.node
-        clean = self.stop.is_set() and (node is None or node.failure is None)
-        last = 0 if node is None else node.broker.event_seq
+        member = self.member
+        clean = self.stop.is_set() and (member is None or member.failure is None)
+        last = 0 if member is None else member.event_seq
         try:
             storage.close(clean, last)
         except OSError as e:
@@ -349,7 +343,7 @@ class MemberProcess:
                 self.notifier.stopping()
                 self.stop.set()
                 local = self.local
-                if self.node is None or not self.node.serving:
+                if self.member is None or not self.member.serving:
                     if local is not None:
                         await local.shutdown(config.shutdown_grace)
                     outer.cancel_scope.cancel()  # nothing else to shut down gracefully
@@ -476,16 +470,19 @@ class MemberProcess:
                 cpg,
                 me,
                 quorum=self.quorum,
-                conn_counter=self.conn_counter,
-                kept=self.kept,
-                incarnation=self.incarnations,
-                updates=self.updates,
-                applying=self.applying,
-                store=None if self.storage is None else self.storage.store,
-                restarted=self.restarted and self.kept is not None,
-                forced=cluster.force_boot and first,
+                inherited=Inherited(
+                    conn_counter=self.conn_counter,
+                    kept=self.kept,
+                    incarnation=self.incarnations,
+                    updates=self.updates,
+                    applying=self.applying,
+                    store=None if self.storage is None else self.storage.store,
+                    restarted=self.restarted and self.kept is not None,
+                    forced=cluster.force_boot and first,
+                ),
             )
             self.node = node
+            self.member = member = MemberStatus(node)
             if self.storage is not None:
                 self.storage.node = node
             unregister = self.quorum.on_loss(node.on_quorum_loss)
@@ -514,29 +511,24 @@ class MemberProcess:
                     update_listeners = await open_update_listeners(
                         cluster.update_listen, cluster.url
                     )
-                    node.newcomer.address = listener_address(update_listeners[0])
-                    nursery.start_soon(
-                        trio.serve_listeners, node.newcomer.handler, update_listeners
-                    )
+                    handler = node.update_handler(listener_address(update_listeners[0]))
+                    nursery.start_soon(trio.serve_listeners, handler, update_listeners)
                     for task in node.guarded_tasks():
                         nursery.start_soon(guarded, task)
-                    nursery.start_soon(node.cluster_ticker)
-                    # This member's share of the federation links (none without upstreams).
-                    nursery.start_soon(node.federation.run)
-                    if node.standby is not None:
-                        nursery.start_soon(node.standby.watch, node.io.close_all)
-                    if node.shipping is not None:
-                        nursery.start_soon(node.shipping.run)
+                    # The cluster ticker, this member's share of the federation links, the
+                    # hot-standby watch, the replication mode's own.
+                    for task in node.tasks():
+                        nursery.start_soon(task)
                     activity = -1
-                    while not node.ready.is_set():
+                    while not member.ready:
                         with trio.move_on_after(cluster.ready_timeout):
-                            await node.ready.wait()
-                        if node.ready.is_set() or nursery.cancel_scope.cancel_called:
+                            await member.wait_ready()
+                        if member.ready or nursery.cancel_scope.cancel_called:
                             break
-                        if node.newcomer.activity() != activity:
-                            activity = node.newcomer.activity()  # an update progresses: wait on
+                        if member.update_activity() != activity:
+                            activity = member.update_activity()  # an update progresses: wait on
                             continue
-                        if node.kept is not None:
+                        if member.holding_kept:
                             # Leaving would throw away what may be the cluster's only copy of
                             # its confirmed messages (every member lost quorum): wait for the
                             # other members to come back instead.
@@ -544,17 +536,17 @@ class MemberProcess:
                                 "holding the state kept since quorum was lost: waiting for %d "
                                 "members to rejoin (have %d)",
                                 cluster.size,
-                                len(node.membership.members),
+                                len(member.members()),
                             )
                             continue
                         node.fail(
                             f"the cluster did not become ready within "
                             f"{cluster.ready_timeout:.0f} s (expected {cluster.size} members, "
-                            f"have {len(node.membership.members)}, state {node.state_name()})"
+                            f"have {len(member.members())}, state {member.state_name()})"
                         )
                         nursery.cancel_scope.cancel()
                         await trio.lowlevel.checkpoint()
-                    if node.ready.is_set() and not nursery.cancel_scope.cancel_called:
+                    if member.ready and not nursery.cancel_scope.cancel_called:
                         if not listeners:
                             opened, self.bound = await open_listeners(config)
                             listeners.extend(opened)
@@ -567,7 +559,7 @@ class MemberProcess:
                         self.notifier.ready(self.progress())  # READY=1 the first time only
                         await _first_of(self.stop, node.stop_requested)
                         self.notifier.stopping()
-                        if node.halted is not None:
+                        if member.halted is not None:
                             # A stop request: this member stops where the stream said, and
                             # leaves the group at once (the others count it in stability
                             # and flow control until then); its clients go after.
@@ -576,46 +568,27 @@ class MemberProcess:
                             self.stop.set()
                         else:
                             log.info("stopping member=%s", me)
-                            await node.io.shutdown_clients(config.shutdown_grace)
+                            await node.shutdown_clients(config.shutdown_grace)
                         nursery.cancel_scope.cancel()
             finally:
                 unregister()
-                node.updater.end()
-                self.conn_counter = node.io.conn_counter
+                self.conn_counter = member.conn_counter
                 node.close()
-            if node.failure is not None:
-                log.error("leaving the cluster: %s", node.failure)
-                # Our clients must fail over: tell them why, then drop them. The other members
-                # see us leave through CPG and close our clients' shadows at that point.
-                frame = forced_close_frame("member left the cluster: " + node.failure[:150])
-                for lc in list(node.io.local.values()):
-                    with (
-                        trio.move_on_after(1),
-                        contextlib.suppress(
-                            trio.BrokenResourceError,
-                            trio.ClosedResourceError,
-                            trio.BusyResourceError,
-                        ),
-                    ):
-                        await lc.stream.send_all(frame)
-                    await lc.stream.aclose()
-                raise ClusterError(node.failure)
-            if node.halted is not None:
-                with trio.move_on_after(config.shutdown_grace):
-                    while node.io.local:  # clients read their connection.close and go
-                        await trio.sleep(0.02)
-                node.io.cancel_clients()
-            if node.suspended is not None:
+            if member.failure is not None:
+                log.error("leaving the cluster: %s", member.failure)
+                await node.drop_clients("member left the cluster: " + member.failure[:150])
+                raise ClusterError(member.failure)
+            if member.halted is not None:
+                # Clients read their connection.close and go.
+                await node.let_clients_go(config.shutdown_grace)
+            if member.suspended is not None:
                 self.phase = "suspended"
-                self.last_suspension = node.suspended
+                self.last_suspension = member.suspended
                 # Offered when rejoining, used only if nobody kept serving meanwhile.
                 self.kept = node.state_to_keep()
                 # Leaving the group (closing the handle, below) is what lets the quorate side
                 # forget this incarnation; its clients get a moment to read connection.close.
-                with trio.move_on_after(SUSPEND_GRACE):
-                    while node.io.local:
-                        await trio.sleep(0.02)
-                node.io.cancel_clients()
+                await node.let_clients_go(SUSPEND_GRACE)
         return served
 
     async def _accept(
@@ -624,107 +597,6 @@ class MemberProcess:
         await trio.serve_listeners(self.handle_client, listeners, handler_nursery=outer)
 
     bound: list[tuple[str, int]] = []
-
-
-def member_status(node: ClusterNode, with_digest: bool) -> dict[str, Any]:
-    """What ``cpgbroker status`` shows of a member that serves (or is getting ready to)."""
-    b = node.broker
-    local_conns = node.io.local
-    # Shipping changes, the primary's clients are its serving broker's, not the stream's.
-    served = node.view
-    local = sum(1 for c in served.connections if c in local_conns)
-    last = node.checkpoints.last
-    cpg = node.multicast.cpg
-    out = model_status(b, len(local_conns), with_digest)
-    out.update(
-        {
-            "member": node.member,
-            "url": node.membership.url,
-            "state": node.state_name(),
-            "clock_master": node.membership.clock_master,
-            **({"mode": "active-active"} if node.standby is None else node.standby.status()),
-            **(
-                {}
-                if node.shipping is None
-                else {
-                    "replication": "changes",
-                    "replicate": node.shipping.replicate,
-                    "batches": {
-                        "shipped": node.shipping.shipped,
-                        "stable": node.shipping.stable,
-                        # Messages acked before their batch was cut: never shipped.
-                        "elided": node.shipping.elided,
-                    },
-                }
-            ),
-            "members": [
-                {
-                    "member": m,
-                    "url": i.url,
-                    "status": STATUS_NAMES.get(i.status, "unknown")
-                    if i.status is not None
-                    else "unknown",
-                    # How far it has applied the stream, as it last reported (this member:
-                    # now), and whether its digest agreed at the last checkpoint.
-                    "applied": b.event_seq if m == node.member else node.progress.peer.get(m),
-                    # (None: it took no part in the last checkpoint, or there was none.)
-                    "checkpoint_agreed": None
-                    if last is None or m not in dict(last.digests)
-                    else m not in last.losers,
-                    # What it runs, as its hello said (an upgrade in progress shows here).
-                    "software": i.software,
-                    "model_versions": list(i.versions),
-                }
-                for m, i in node.membership.members.items()
-            ],
-            "upgrade": node.membership.upgrade_status(),
-            "connections": {"local": local, "shadow": len(served.connections) - local},
-            "checkpoint": None
-            if last is None
-            else {
-                "seq": last.seq,
-                "digest": last.winner.hex(),
-                "agreed": last.agreed,
-                "losers": list(last.losers),
-            },
-            "cpg": {
-                "in_flight": cpg.in_flight,
-                "sent": cpg.stats.sent,
-                "sent_bytes": cpg.stats.sent_bytes,
-                "delivered": cpg.stats.delivered,
-                "wakeups": cpg.stats.wakeups,
-            },
-            "lag": {"events_behind": node.lag(), "held_back": node.multicast.lag_waits},
-            "confirms": {
-                "held": sum(len(lc.held) for lc in node.confirms.holding.values()),
-                "admin_unsettled": len(node.desk.unsettled),
-            },
-            "apply_seconds": node.apply_times.as_dict(),
-            # Every link of the cluster with what its runner last reported (replicated), and
-            # this member's own links as it sees them now.
-            "federation_links": [
-                {
-                    "vhost": link.vhost,
-                    "exchange": link.exchange,
-                    "upstream": link.upstream.name,
-                    **b.federation.status.get(link.key, {"status": "starting"}),
-                }
-                for link in b.federation.links(b.vhosts, b.policies.definition_of)
-            ],
-            "federation": node.federation.status(),
-            "update": node.newcomer.status(),
-            "updating": node.updater.status(),
-            "quorum": None if node.quorum is None else node.quorum.status(),
-        }
-    )
-    if node.suspended is not None:
-        out["suspended"] = node.suspended
-    out["error_checks"] = node.stall.status()
-    if node.eventlog.faults:
-        out["injected_faults"] = dict(node.eventlog.faults)
-    if node.stops.halted is not None:
-        out["stopping"] = {"scope": node.stops.scope, "seq": node.stops.halted}
-    return out
 
 
 async def _first_of(*events: trio.Event) -> None:

@@ -129,6 +129,7 @@ class Shipping:
         # Set when something was applied since the last batch was cut.
         self._due = trio.Event()
         self._queued_bytes = queued_bytes
+        # The clients' side whose effects the serving broker's are (:meth:`attach`).
         self.io: Node | None = None
         # The serving broker, while this member is primary.
         self.broker: Broker | None = None
@@ -151,17 +152,31 @@ class Shipping:
         # The number of our first batch that failed on every member (:meth:`failed`), if any.
         self._lost: int | None = None
         # Called after each batch is cut (the federation links' push queues may have grown).
-        self.on_cut: Callable[[], None] = lambda: None
-        # The member's held output and operators' answers (:meth:`waiting`), read when a
+        self._on_cut: Callable[[], None] = lambda: None
+        # The member's held output and operators' answers (:meth:`attach`), read when a
         # batch is cut, and whether it has a store.
         self._confirms: ConfirmGate | None = None
         self._desk: AdminDesk | None = None
         self._stored = False
 
-    def waiting(self, confirms: ConfirmGate, desk: AdminDesk, stored: bool) -> None:
-        """Where output and operators' answers wait for batches (``stored``: the member has a
-        store, and a persistent message's confirm waits for every member's)."""
+    def attach(
+        self,
+        io: Node,
+        confirms: ConfirmGate | None = None,
+        desk: AdminDesk | None = None,
+        *,
+        stored: bool = False,
+        on_cut: Callable[[], None] | None = None,
+    ) -> None:
+        """The parts built after this one, since they are built on it (the clients' side
+        submits to it, the gate and the desk count its batches): the clients' side its
+        serving broker's effects go to; where output and operators' answers wait for batches
+        (``stored``: the member has a store, and a persistent message's confirm waits for
+        every member's); what to call after each batch is cut."""
+        self.io = io
         self._confirms, self._desk, self._stored = confirms, desk, stored
+        if on_cut is not None:
+            self._on_cut = on_cut
 
     def holding(self) -> tuple[bool, bool, bool]:
         """Whether output or an operator's answer waits for the batch being cut (it asks the
@@ -282,7 +297,7 @@ class Shipping:
         # Once this batch is stable, the reservations it carries are (model/changes.py).
         self._takes.append((self.shipped, log_.takes))
         self._send(Changes(batch))
-        self.on_cut()
+        self._on_cut()
 
     @property
     def elided(self) -> int:

@@ -19,7 +19,8 @@ from typing import Any
 
 import attrs
 
-from cpgbroker.cluster.codec import UpdateRequest
+from cpgbroker.cluster.codec import STATUS_READY, UpdateRequest
+from cpgbroker.cluster.membership import READY, Membership
 from cpgbroker.model.broker import Broker
 from cpgbroker.runtime.update import transfer as update
 
@@ -60,6 +61,36 @@ class Updater:
         self.incarnation = incarnation
         self.rate_limit = rate_limit
         self.updates: dict[int, dict[str, Any]] = {} if updates is None else updates
+
+    def gives(self, e: UpdateRequest, membership: Membership, version: int, stopping: bool) -> bool:
+        """Whether this member sends the update ``e`` asks of it: it is ready and named the
+        updater, and the newcomer can apply the model ``version`` of our state."""
+        me = membership.members.get(self.me)
+        newcomer = membership.members.get(e.member)
+        if (
+            e.updater != self.me
+            or membership.state != READY
+            or me is None
+            or me.status != STATUS_READY
+            or newcomer is None
+            # A newcomer whose hello was refused, or whose release cannot apply the model
+            # version of our state (the cluster moved up after it heard a serving member's
+            # older hello), never gets a state it would apply by other rules.
+            or newcomer.status is None
+            or not newcomer.versions[0] <= version <= newcomer.versions[1]
+            # A stopping member's model ends before the request's point: the newcomer asks
+            # another member once this one has left.
+            or stopping
+        ):
+            if newcomer is not None and e.updater == self.me and newcomer.status is not None:
+                log.warning(
+                    "no state update for member %s (%s): this state runs model version %d",
+                    e.member,
+                    newcomer.software or "unknown software",
+                    version,
+                )
+            return False
+        return True
 
     def fork(
         self, e: UpdateRequest, members: list[list[Any]], broker: Broker, lifo: bool = False

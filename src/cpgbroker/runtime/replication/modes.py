@@ -1,0 +1,355 @@
+"""The replication mode behind one seam: how this member's clients' changes reach the others.
+
+Theory of operation
+-------------------
+The member (``runtime/member/member.py``) holds one :class:`Replication` and calls it wherever
+the two modes differ, without asking which one it holds:
+
+* :class:`ReplayingBytes` (active-active, and hot standby with ``replication = "bytes"``): the
+  clients' events are multicast and every member applies every event of the stream. Confirms
+  and operators' answers wait for stream events; the stream ticks; nothing else happens.
+* :class:`ShippingChanges` (hot standby with ``replication = "changes"``): the primary's own
+  serving broker applies its clients' events and ships what changed
+  (``runtime/replication/shipping.py``); confirms and answers wait for batches; the stream
+  broker takes batches only; the primary holds a lease while it serves.
+
+Each is built before the clients' side, the confirm gate and the admin desk, which are built on
+it (its sequencer, its numbering, its submit for operators' changes); :meth:`attach` hands it
+those once they exist: the one cycle that construction cannot break.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from cpgbroker.cluster.membership import Membership
+from cpgbroker.model.admin import RAISE_MODEL_VERSION
+from cpgbroker.model.broker import Broker
+from cpgbroker.model.events import AdminCommand, Event
+from cpgbroker.runtime.admin.admindesk import AdminDesk
+from cpgbroker.runtime.amqp.confirms import ConfirmGate
+from cpgbroker.runtime.amqp.server import Node, Sequencer
+from cpgbroker.runtime.replication.shipping import Shipping
+from cpgbroker.runtime.replication.standby import HotStandby
+from cpgbroker.runtime.update.giving import Updater
+
+log = logging.getLogger("cpgbroker.replication")
+
+Task = Callable[[], Awaitable[None]]
+
+
+class Lease(Protocol):
+    """A primary's lease (``runtime/member/lease.py``): it may serve while the ring works."""
+
+    length: float
+
+    def grant(self, now: float) -> None: ...
+
+    async def run(
+        self,
+        holding: Callable[[], bool],
+        heartbeat: Callable[[], None],
+        lapsed: Callable[[], None],
+        netns: str | None,
+    ) -> None: ...
+
+
+class Replication(Protocol):
+    """What the member asks of its replication mode (module docstring)."""
+
+    @property
+    def sequencer(self) -> Sequencer:
+        """Where the clients' side submits its clients' events."""
+        ...
+
+    def number(self) -> int:
+        """What held output and operators' answers wait for: the number of the event or batch
+        that carries what is being applied now."""
+        ...
+
+    def submit_admin(self, ev: Event) -> Awaitable[None]:
+        """Where operators' changes go (the admin desk's submit)."""
+        ...
+
+    @property
+    def stream_ticks(self) -> bool:
+        """Whether the clock master multicasts ticks (else the serving broker keeps its own
+        time)."""
+        ...
+
+    def attach(
+        self,
+        io: Node,
+        confirms: ConfirmGate,
+        desk: AdminDesk,
+        *,
+        stored: bool,
+        on_cut: Callable[[], None],
+        heartbeat: Callable[[], None],
+        lapsed: Callable[[float], None],
+    ) -> None: ...
+
+    def tasks(self) -> list[Task]: ...
+
+    def guarded_tasks(self) -> list[Task]: ...
+
+    @property
+    def active(self) -> bool: ...
+
+    def link_members(self, membership: Membership) -> list[int]: ...
+
+    def view(self, stream: Broker) -> Broker: ...
+
+    def refusal(self) -> str | None: ...
+
+    def takes(self, ev: Any, sender: int, membership: Membership) -> bool: ...
+
+    def applied(self, stream: Broker, sender: int, updater: Updater) -> None: ...
+
+    def failed(self, ev: Any, sender: int) -> bool: ...
+
+    def stable(self, stable_seq: int, durable_seq: int | None) -> tuple[int, int | None]: ...
+
+    @property
+    def unsettled(self) -> bool: ...
+
+    def check_role(self, mine: Callable[[], bool], stream: Broker) -> None: ...
+
+    def fork_update(
+        self, updater: Updater, request: Any, members: list[list[Any]], stream: Broker
+    ) -> None: ...
+
+    def installed(self, stream: Broker) -> None: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+class ReplayingBytes:
+    """Every member applies every client event of the stream (module docstring)."""
+
+    stream_ticks = True
+
+    def __init__(self, multicast: Sequencer, event_seq: Callable[[], int]) -> None:
+        self.sequencer = multicast
+        self.number = event_seq
+        self.submit_admin = multicast.submit
+
+    def attach(
+        self,
+        io: Node,
+        confirms: ConfirmGate,
+        desk: AdminDesk,
+        *,
+        stored: bool,
+        on_cut: Callable[[], None],
+        heartbeat: Callable[[], None],
+        lapsed: Callable[[float], None],
+    ) -> None:
+        """Nothing to keep: the stream carries the clients' events themselves."""
+
+    def tasks(self) -> list[Task]:
+        return []
+
+    def guarded_tasks(self) -> list[Task]:
+        return []
+
+    @property
+    def active(self) -> bool:
+        """Every member's stream broker serves its clients."""
+        return True
+
+    def link_members(self, membership: Membership) -> list[int]:
+        """The federation links are spread over the ready members."""
+        return membership.ready_members
+
+    def view(self, stream: Broker) -> Broker:
+        return stream
+
+    def refusal(self) -> str | None:
+        return None
+
+    def takes(self, ev: Any, sender: int, membership: Membership) -> bool:
+        return True
+
+    def applied(self, stream: Broker, sender: int, updater: Updater) -> None:
+        pass
+
+    def failed(self, ev: Any, sender: int) -> bool:
+        return False
+
+    def stable(self, stable_seq: int, durable_seq: int | None) -> tuple[int, int | None]:
+        """Output waits for stream events."""
+        return stable_seq, durable_seq
+
+    @property
+    def unsettled(self) -> bool:
+        return False
+
+    def check_role(self, mine: Callable[[], bool], stream: Broker) -> None:
+        """Who takes clients changes nothing of how they are served."""
+
+    def fork_update(
+        self, updater: Updater, request: Any, members: list[list[Any]], stream: Broker
+    ) -> None:
+        updater.fork(request, members, stream, False)
+
+    def installed(self, stream: Broker) -> None:
+        pass
+
+    def status(self) -> dict[str, Any]:
+        return {}
+
+
+class ShippingChanges:
+    """The primary ships change batches; every member applies them (module docstring)."""
+
+    stream_ticks = False
+
+    def __init__(
+        self,
+        shipping: Shipping,
+        standby: HotStandby,
+        lease: Lease,
+        verdict: Callable[[AdminCommand], AdminCommand],
+        netns: str | None,
+    ) -> None:
+        self.shipping = shipping
+        self.sequencer = shipping
+        self.number = shipping.batch_number
+        self._standby = standby
+        self._lease = lease
+        # The membership's verdict on an operator's ``upgrade-finish`` (the member's).
+        self._verdict = verdict
+        self._netns = netns
+        self._io: Node | None = None
+        self._confirms: ConfirmGate | None = None
+        self._heartbeat: Callable[[], None] = lambda: None
+        self._lapsed: Callable[[float], None] = lambda length: None
+
+    def attach(
+        self,
+        io: Node,
+        confirms: ConfirmGate,
+        desk: AdminDesk,
+        *,
+        stored: bool,
+        on_cut: Callable[[], None],
+        heartbeat: Callable[[], None],
+        lapsed: Callable[[float], None],
+    ) -> None:
+        """``io``, ``confirms`` and ``desk`` are built on this seam; ``heartbeat`` renews the
+        lease (a progress report of ours through the ring), ``lapsed`` is told its length
+        when it lapses."""
+        self._io, self._confirms = io, confirms
+        self._heartbeat, self._lapsed = heartbeat, lapsed
+        # What held output and answers wait for, so that a batch asks to be reported; a push
+        # queue grows as the serving broker applies its clients' publishes.
+        self.shipping.attach(io, confirms, desk, stored=stored, on_cut=on_cut)
+
+    def tasks(self) -> list[Task]:
+        return [self.shipping.run]
+
+    def guarded_tasks(self) -> list[Task]:
+        return [self._hold_lease]
+
+    async def _hold_lease(self) -> None:
+        """The primary keeps its clients while the ring carries its messages."""
+        await self._lease.run(
+            lambda: self.shipping.active,
+            self._heartbeat,
+            lambda: self._lapsed(self._lease.length),
+            self._netns,
+        )
+
+    async def submit_admin(self, ev: Event) -> None:
+        """An operator's change on the primary: applied by its serving broker, which alone
+        decides (its batches carry the version it runs)."""
+        if type(ev) is AdminCommand and ev.op == RAISE_MODEL_VERSION:
+            ev = self._verdict(ev)
+        await self.shipping.submit(ev)
+
+    @property
+    def active(self) -> bool:
+        """This member is primary: its serving broker applies its clients' changes."""
+        return self.shipping.active
+
+    def link_members(self, membership: Membership) -> list[int]:
+        """The primary runs every link, against its serving broker (its operators' changes and
+        the messages links bring in are applied there)."""
+        return [self.shipping.member]
+
+    def view(self, stream: Broker) -> Broker:
+        """A primary's serving broker (its clients, consumers and unacked messages)."""
+        b = self.shipping.broker
+        return stream if b is None else b
+
+    def refusal(self) -> str | None:
+        """Only the primary's broker applies operators' changes."""
+        if self.shipping.active:
+            return None
+        return self._standby.refusal() or "this member is a hot-standby backup"
+
+    def takes(self, ev: Any, sender: int, membership: Membership) -> bool:
+        return self.shipping.takes(ev, sender, membership)
+
+    def applied(self, stream: Broker, sender: int, updater: Updater) -> None:
+        self.shipping.applied(stream, sender, updater)
+
+    def failed(self, ev: Any, sender: int) -> bool:
+        return self.shipping.failed(ev, sender)
+
+    def stable(self, stable_seq: int, durable_seq: int | None) -> tuple[int, int | None]:
+        """Output waits for batches: our last batch every ready member applied, and stored
+        (None: no store)."""
+        applied, stored = self.shipping.stable_batch(stable_seq, durable_seq)
+        return applied, None if durable_seq is None else stored
+
+    @property
+    def unsettled(self) -> bool:
+        """Reservations the next deliveries may use wait for batches to be stable."""
+        return self.shipping.unsettled_takes
+
+    def check_role(self, mine: Callable[[], bool], stream: Broker) -> None:
+        """Become primary (serve a copy of the stream broker) when the stream says so, at the
+        same point on every member; or stop serving when it no longer does."""
+        shipping = self.shipping
+        primary = mine()
+        io = self._io
+        assert io is not None and self._confirms is not None
+        if primary and not shipping.active:
+            self._lease.grant(time.monotonic())
+            shipping.promote(stream, io.now_ms())
+        elif not primary and shipping.active:
+            shipping.demote()
+            self._confirms.drop()
+            why = self._standby.refusal() or "this member is no longer the hot-standby primary"
+            io.force_close(why, "no longer primary")
+
+    def fork_update(
+        self, updater: Updater, request: Any, members: list[list[Any]], stream: Broker
+    ) -> None:
+        """A replica sends each queue from its back and leaves out what consumers take
+        meanwhile (runtime/update/transfer.py)."""
+        updater.fork(request, members, stream, True)
+        stream.replication.released = []
+
+    def installed(self, stream: Broker) -> None:
+        """The update left out what was consumed while it was sent: the replay finds records
+        for messages it does not have (model/replica.py)."""
+        stream.replication.catching_up = True
+
+    def status(self) -> dict[str, Any]:
+        shipping = self.shipping
+        return {
+            "replication": "changes",
+            "replicate": shipping.replicate,
+            "batches": {
+                "shipped": shipping.shipped,
+                "stable": shipping.stable,
+                # Messages acked before their batch was cut: never shipped.
+                "elided": shipping.elided,
+            },
+        }
