@@ -49,15 +49,19 @@ CONFIGS = [
     '[cluster]\ngroup = "h"\nsize = 2\nurl = "amqp://h:5672/"\n[limits]\nchannel_max = 9\n'
     '[[users]]\nname = "ann"\npassword = "pw"\ntags = ["administrator"]\n',
 ]
-# The modules' paths since the runtime's wings, and before them (0.1.0).
+# The modules' paths now, since the runtime's wings, and before them (0.1.0).
 DIGEST = (
     "import sys\n"
     "try:\n"
     "    from cpgbroker.runtime.config import settings\n"
-    "    from cpgbroker.runtime.member import member\n"
+    "    try:\n"
+    "        from cpgbroker.runtime.config.digest import config_digest\n"
+    "    except ModuleNotFoundError:\n"
+    "        from cpgbroker.runtime.member.member import config_digest\n"
     "except ModuleNotFoundError:\n"
-    "    from cpgbroker.runtime import settings, member\n"
-    "print(member.config_digest(settings.load(sys.argv[1])).hex())"
+    "    from cpgbroker.runtime import settings\n"
+    "    from cpgbroker.runtime.member import config_digest\n"
+    "print(config_digest(settings.load(sys.argv[1])).hex())"
 )
 
 

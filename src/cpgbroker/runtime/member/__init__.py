@@ -1,7 +1,7 @@
 """The cluster member: :class:`~.member.ClusterNode` (``member``), a coordinator that routes
 each delivered CPG event to the components that own their state, and those components.
 
-* ``member``: the deliver loop and event routing; ``config_digest``.
+* ``member``: the deliver loop and event routing.
 * ``status``: :class:`~.status.MemberStatus`, what the process wing reads of a member (one
   facade, instead of reaching through the member into its components).
 * ``multicast``: submitting events to CPG, batching. ``cpg_trio`` and ``quorum_trio``: libcpg

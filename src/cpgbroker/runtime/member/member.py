@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import hashlib
 import json
 import logging
 import time
@@ -101,6 +100,7 @@ from cpgbroker.model.versions import NEWEST, OLDEST
 from cpgbroker.runtime.admin.admindesk import AdminDesk
 from cpgbroker.runtime.amqp.confirms import ConfirmGate
 from cpgbroker.runtime.amqp.server import ClientStream, Node, forced_close_frame
+from cpgbroker.runtime.config.digest import config_digest
 from cpgbroker.runtime.config.settings import ServerConfig
 from cpgbroker.runtime.federation.federation import FederationLinks, client_context
 from cpgbroker.runtime.member.applytimes import APPLY_SAMPLE, ApplyTimes
@@ -135,46 +135,6 @@ NOT_QUORATE_TEXT = (
 # A member that is quorate but does not serve: joining, taking a state update, or dropping
 # its state after it merged back on the smaller side of a partition.
 RESYNC_TEXT = "member is resynchronising with the cluster; it serves again soon: use another member"
-
-
-# Release 0.1.0 hashed the server version it told clients (its own) into the configuration
-# digest; every later release hashes that same value in its place.
-DIGEST_SERVER_VERSION = "0.1.0"
-
-
-def config_digest(config: ServerConfig) -> bytes:
-    """What must be equal on all members for their models to stay equal."""
-    b = config.broker
-    assert config.cluster is not None
-    relevant = attrs.asdict(
-        b,
-        # A setting added after release 0.1.0 (``metadata={"since": release}``) counts only
-        # when it is not its default: members of 0.1.0, which have no such setting, then hash
-        # the same configuration as ours.
-        filter=lambda a, v: (
-            a.name != "member_urls" and not ("since" in a.metadata and v == a.default)
-        ),
-    )
-    # The release a member names to its clients is its own, not the cluster's: hashed as
-    # release 0.1.0 hashed its own, so that members of different releases compare equal.
-    relevant["version"] = DIGEST_SERVER_VERSION
-    # The cluster's name must be one (a member naming it otherwise is refused), but release
-    # 0.1.0 had none and hashed "": the default, the group, hashes as that, so that members of
-    # both releases match; a name of its own is compared.
-    if b.cluster_name == config.cluster.group:
-        relevant["cluster_name"] = ""
-    relevant["group"] = config.cluster.group
-    # Checkpoints are voted on at the same events everywhere, or not at all.
-    relevant["checkpoint_every"] = config.cluster.checkpoint_every
-    # One mode for the whole cluster: a second primary would serve clients beside the first.
-    relevant["mode"] = config.cluster.mode
-    if config.cluster.replication != "bytes":
-        # (Only then: the digest of every configuration from before the setting is unchanged.)
-        relevant["replication"] = config.cluster.replication
-        relevant["replicate"] = config.cluster.replicate
-    # Who decides a restart, and how many serving members a durable confirm needs.
-    relevant["recover_with"] = "" if config.store is None else config.store.recover_with
-    return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).digest()
 
 
 @attrs.frozen
