@@ -38,7 +38,7 @@ from update_bench import installed_transfer
 
 from cpgbroker.dev.brokers import BrokerSet
 from cpgbroker.dev.cluster import DevCluster
-from cpgbroker.runtime.federation.amqpclient import AmqpClient
+from cpgbroker.runtime.federation.client import AmqpClient
 
 ROOT = Path(__file__).resolve().parents[1]
 LOAD = ROOT.parent / "shared" / "bench" / "amqp_load.py"

@@ -36,7 +36,7 @@ import trio
 
 from cpgbroker.dev.brokers import BrokerSet
 from cpgbroker.dev.cluster import DevCluster
-from cpgbroker.runtime.federation.amqpclient import AmqpClient, AmqpClientError
+from cpgbroker.runtime.federation.client import AmqpClient, AmqpClientError
 
 QUEUE = "standby_bench"
 HELD = "standby_bench_held"

@@ -52,7 +52,7 @@ from cpgbroker import __version__
 from cpgbroker.dev import releases
 from cpgbroker.dev.brokers import BrokerSet
 from cpgbroker.dev.cluster import DevCluster
-from cpgbroker.runtime.federation.amqpclient import AmqpClient, AmqpClientError
+from cpgbroker.runtime.federation.client import AmqpClient, AmqpClientError
 
 ROOT = Path(__file__).resolve().parents[1]
 OLD = "0.1.0"

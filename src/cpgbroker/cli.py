@@ -402,7 +402,7 @@ def _stop(target: AdminTarget, member: int, timeout: float) -> int:
 
 def _version_text() -> str:
     from cpgbroker import __version__
-    from cpgbroker.model.versions import NEWEST, OLDEST
+    from cpgbroker.model import NEWEST, OLDEST
 
     return f"cpgbroker {__version__} (model versions {OLDEST} to {NEWEST})"
 

@@ -4,7 +4,7 @@
 corosync nodes), so each test starts four brokers. Each test makes its own clusters, links and
 exchanges; the waits are bounded and say what they waited for.
 
-What a link does is in runtime/federation/federation.py: one member of the downstream cluster runs
+What a link does is in runtime/federation/links.py: one member of the downstream cluster runs
 it, consumes a queue it declared upstream (``federation: <exchange> to <downstream> from
 <upstream>``), binds that queue with the local bindings (one per distinct key) and forwards
 what arrives into the local exchange. A link here reconnects after 1 s (``reconnect-delay``),

@@ -8,7 +8,7 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpgbroker.runtime.mgmt import httpserve
+from cpgbroker.runtime.mgmt import http11
 
 VALID = (
     b"GET /status HTTP/1.1\r\nHost: x\r\n\r\n",
@@ -19,8 +19,8 @@ VALID = (
 
 
 async def _serve(data: bytes, cuts: list[int]) -> bytes:
-    async def handler(request: httpserve.Request) -> httpserve.Response:
-        return httpserve.Response(200, b'{"ok": true}')
+    async def handler(request: http11.Request) -> http11.Response:
+        return http11.Response(200, b'{"ok": true}')
 
     client, server = trio.testing.memory_stream_pair()
     out = bytearray()
@@ -28,7 +28,7 @@ async def _serve(data: bytes, cuts: list[int]) -> bytes:
         async with trio.open_nursery() as nursery:
 
             async def serve() -> None:
-                await httpserve.serve_connection(server, handler, "fuzz")
+                await http11.serve_connection(server, handler, "fuzz")
                 await server.aclose()
 
             nursery.start_soon(serve)

@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from cpgbroker.errors import ConfigError
-from cpgbroker.runtime.admin import admin, secret
+from cpgbroker.runtime.admin import endpoint, secret
 
 
 def free_port() -> int:
@@ -64,7 +64,7 @@ async def test_every_request_needs_the_secret_401_without_403_wrong(
     caplog.set_level(logging.INFO, logger="cpgbroker.admin")
     async with trio.open_nursery() as nursery:
         _h, port = await nursery.start(
-            admin.serve_admin, "127.0.0.1:0", lambda _d: {"state": "ready"}, control, "s3cret"
+            endpoint.serve_admin, "127.0.0.1:0", lambda _d: {"state": "ready"}, control, "s3cret"
         )
         for auth, code in (
             (b"", b"401"),
@@ -95,7 +95,7 @@ async def test_every_request_needs_the_secret_401_without_403_wrong(
 
 async def test_the_endpoint_cannot_be_started_without_a_secret() -> None:
     with pytest.raises(ValueError, match="secret"):
-        await admin.serve_admin("127.0.0.1:0", lambda _d: {})
+        await endpoint.serve_admin("127.0.0.1:0", lambda _d: {})
 
 
 def test_the_secret_is_generated_once_private_and_then_reused(tmp_path: Path) -> None:

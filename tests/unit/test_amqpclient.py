@@ -1,4 +1,4 @@
-"""The AMQP client that members use to link clusters (runtime/federation/amqpclient.py): its sans-IO
+"""The AMQP client that members use to link clusters (runtime/federation/client.py): its sans-IO
 protocol fed bytes (handshake, frames cut across reads, content reassembly, confirms), then
 the trio client against a real standalone broker in this process."""
 
@@ -22,8 +22,8 @@ from pamqp.header import ContentHeader
 
 import tlscerts
 from cpgbroker.errors import ConfigError
-from cpgbroker.runtime.federation.amqpclient import AmqpClient
-from cpgbroker.runtime.federation.amqpproto import (
+from cpgbroker.runtime.federation.client import AmqpClient
+from cpgbroker.runtime.federation.protocol import (
     AmqpClientError,
     AmqpUrl,
     CancelReceived,
@@ -619,10 +619,10 @@ async def test_amqps(tmp_path: Path) -> None:
 async def test_a_no_ack_consumer_that_falls_behind_stops_the_reading_not_the_connection(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cpgbroker.runtime.federation import amqpclient
+    from cpgbroker.runtime.federation import client
 
-    monkeypatch.setattr(amqpclient, "NO_ACK_HIGH_WATER", 1 << 20)
-    monkeypatch.setattr(amqpclient, "NO_ACK_LOW_WATER", 256 << 10)
+    monkeypatch.setattr(client, "NO_ACK_HIGH_WATER", 1 << 20)
+    monkeypatch.setattr(client, "NO_ACK_LOW_WATER", 256 << 10)
     bodies = [b"%04d" % i + bytes(20 * 1024) for i in range(200)]  # 4 MiB
     with trio.fail_after(60):
         async with (
@@ -643,7 +643,7 @@ async def test_a_no_ack_consumer_that_falls_behind_stops_the_reading_not_the_con
             # is not declared dead for the heartbeats it did not read meanwhile.
             await trio.sleep(3)
             held = slow._reads.bytes
-            assert (1 << 20) <= held <= (1 << 20) + 2 * amqpclient.RECV_SIZE, held
+            assert (1 << 20) <= held <= (1 << 20) + 2 * client.RECV_SIZE, held
             assert slow.is_open and slow._reads.paused
             # What waits for the broker never waits behind the consumer: a method on another
             # channel is answered (the reader reads on meanwhile, the consumer still holds

@@ -15,7 +15,7 @@ from cpgbroker.model.config import BrokerConfig
 from cpgbroker.model.connection import server_properties
 from cpgbroker.runtime.config.digest import config_digest
 from cpgbroker.runtime.config.settings import from_dict
-from cpgbroker.runtime.mgmt.mgmt_json import cluster_view
+from cpgbroker.runtime.mgmt.views import cluster_view
 
 
 def cluster(**extra: object) -> dict[str, object]:

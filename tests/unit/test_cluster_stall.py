@@ -1,11 +1,11 @@
-"""One member's side of error-check rounds (cluster/stall.py, pure): stalling at a failed
+"""One member's side of error-check rounds (cluster/errorcheck_stall.py, pure): stalling at a failed
 event, answering and owing answers, and settling decided rounds."""
 
 from __future__ import annotations
 
 from cpgbroker.cluster.codec import OK, ErrorCheck
-from cpgbroker.cluster.errorcheck import Round
-from cpgbroker.cluster.stall import Answer, Decided, Leave, Proceed, Resync, Stall
+from cpgbroker.cluster.errorcheck_stall import Answer, Decided, Leave, Proceed, Resync, Stall
+from cpgbroker.cluster.errorcheck_vote import Round
 
 ME, A, B = 1, 2, 3
 READY = [ME, A, B]
@@ -90,8 +90,8 @@ def test_ten_thousand_rounds_keep_the_bookkeeping_bounded_and_status_shows_the_n
     decided rounds are kept in a window of ROUNDS_KEPT, answers only while a round is open."""
     import tracemalloc
 
-    from cpgbroker.cluster.errorcheck import ROUNDS_KEPT
-    from cpgbroker.cluster.stall import ROUNDS_SHOWN
+    from cpgbroker.cluster.errorcheck_stall import ROUNDS_SHOWN
+    from cpgbroker.cluster.errorcheck_vote import ROUNDS_KEPT
 
     s = Stall(ME)
 
@@ -125,7 +125,7 @@ def test_ten_thousand_rounds_keep_the_bookkeeping_bounded_and_status_shows_the_n
 def test_a_late_outcome_for_a_decided_round_opens_nothing() -> None:
     """A member that became ready while a round was open answers it after the last voter:
     that must not open a round for the same event that nobody answers any more."""
-    from cpgbroker.cluster.errorcheck import ROUNDS_KEPT
+    from cpgbroker.cluster.errorcheck_vote import ROUNDS_KEPT
 
     s = Stall(ME)
     s.on_error_check(ErrorCheck(A, 80, "apply-error: X"), READY, None)

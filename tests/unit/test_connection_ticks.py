@@ -1,4 +1,4 @@
-"""Connection ticks (``Connections.on_tick`` over ``deadlines.Deadlines``' due-heap) behave
+"""Connection ticks (``ConnectionProtocol.on_tick`` over ``deadlines.Deadlines``' due-heap) behave
 exactly as the full sweep of every connection did (``full_sweep`` below): same effects in the
 same order and same state digest after every event of random workloads with many connections,
 heartbeats both ways, handshake and close timeouts, connection errors, requeues that send to
@@ -16,7 +16,7 @@ from pamqp import commands as C
 
 from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker
-from cpgbroker.model.connection import Connections
+from cpgbroker.model.connection import ConnectionProtocol
 from cpgbroker.model.deadlines import next_due
 from cpgbroker.model.entities import CLOSING, OPEN
 from cpgbroker.model.events import (
@@ -34,8 +34,8 @@ from cpgbroker.wire.framer import HEARTBEAT_FRAME, PROTOCOL_HEADER
 from modelclient import Client, Harness
 
 
-def full_sweep(self: Connections) -> None:
-    """The reference ``Connections.on_tick`` must match: every connection, in the dict's
+def full_sweep(self: ConnectionProtocol) -> None:
+    """The reference ``ConnectionProtocol.on_tick`` must match: every connection, in the dict's
     order, as ticks did before the due-heap."""
     now_ms = self._clock.now_ms
     for conn in list(self.connections.values()):
@@ -150,7 +150,7 @@ def _workload(seed: int, steps: int) -> list[Event]:
 def check_deadlines(b: Broker) -> None:
     """Every connection that can become due has a live heap entry no later than its due time;
     order numbers follow the connections' order."""
-    d = b.conns.deadlines
+    d = b.protocol.deadlines
     assert list(d.order) == list(b.connections)
     orders = list(d.order.values())
     assert orders == sorted(orders) and len(set(orders)) == len(orders)
@@ -195,7 +195,7 @@ def test_connection_ticks_match_the_full_sweep(seed: int, monkeypatch: pytest.Mo
         check_deadlines(r)
         restored.append(S.digest(r))
     # The reference: every tick visits every connection, in the dict's order.
-    monkeypatch.setattr(Connections, "on_tick", full_sweep)
+    monkeypatch.setattr(ConnectionProtocol, "on_tick", full_sweep)
     want = _run(log, Broker())
     monkeypatch.undo()
     assert len(got) == len(want)
@@ -244,14 +244,14 @@ def test_a_tick_visits_only_due_connections(monkeypatch: pytest.MonkeyPatch) -> 
         c.handshake(heartbeat=60)
     late = h.connect(n + 1)  # never sends a byte: handshake timeout at 10 s
     visits = 0
-    tick = Connections._tick
+    tick = ConnectionProtocol._tick
 
-    def counted(self: Connections, conn: Any, now_ms: int) -> None:
+    def counted(self: ConnectionProtocol, conn: Any, now_ms: int) -> None:
         nonlocal visits
         visits += 1
         tick(self, conn, now_ms)
 
-    monkeypatch.setattr(Connections, "_tick", counted)
+    monkeypatch.setattr(ConnectionProtocol, "_tick", counted)
     for t in range(100, 10_000, 100):
         h.tick(t)
     assert visits == 0
@@ -259,7 +259,7 @@ def test_a_tick_visits_only_due_connections(monkeypatch: pytest.MonkeyPatch) -> 
     assert visits == 1 and late.conn in h.closed
     h.tick(30_000)  # half the heartbeat interval: every connection gets one
     assert visits == 1 + n
-    assert len(h.broker.conns.deadlines.heap) == n
+    assert len(h.broker.protocol.deadlines.heap) == n
 
 
 def test_deadlines_survive_restore_and_compact() -> None:
@@ -269,14 +269,14 @@ def test_deadlines_survive_restore_and_compact() -> None:
         c.handshake(heartbeat=5)
     for i in range(1, 151):
         h.apply(ClientDisconnected(i))
-    d = h.broker.conns.deadlines
+    d = h.broker.protocol.deadlines
     # Entries of gone connections are dropped once they dominate the heap.
     assert len(d.heap) <= 2 * len(d.order) + 64
     check_deadlines(h.broker)
     r = S.restore(S.snapshot(h.broker))
     check_deadlines(r)
-    assert list(r.conns.deadlines.order) == list(range(151, 201))
+    assert list(r.protocol.deadlines.order) == list(range(151, 201))
     r.apply(Tick(2_500))
-    assert len(r.conns.deadlines.due) == 50
+    assert len(r.protocol.deadlines.due) == 50
     h.apply(ClientData(151, HEARTBEAT_FRAME))
     check_deadlines(h.broker)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from cpgbroker.runtime.admin.admin import AdminRoutes
-from cpgbroker.runtime.mgmt import dashboard, mgmt_json
-from cpgbroker.runtime.mgmt.httpserve import Request
+from cpgbroker.runtime.admin.endpoint import AdminRoutes
+from cpgbroker.runtime.mgmt import dashboard, views
+from cpgbroker.runtime.mgmt.http11 import Request
 
 
 def test_the_files_are_served_with_their_types_and_no_login() -> None:
@@ -97,9 +97,9 @@ def test_the_overview_shows_the_replication_to_monitors_only() -> None:
         "quorum": {"quorate": True},
         "queues": {"/:q": {"ready": 1, "unacked": 0, "consumers": 0}},
     }
-    view = mgmt_json.cluster_view(status, None, "host1")
-    monitor = mgmt_json.Identity("mon", ("monitoring",))
-    shown = mgmt_json.overview_json(view, monitor)["cpgbroker_cluster"]
+    view = views.cluster_view(status, None, "host1")
+    monitor = views.Identity("mon", ("monitoring",))
+    shown = views.overview_json(view, monitor)["cpgbroker_cluster"]
     assert shown["event_seq"] == 1234 and shown["lag"] == {"events_behind": 234, "held_back": 0}
     assert shown["checkpoint"]["losers"] == [8] and shown["error_checks"]["held_at"] is None
     # Per member, what the Members table shows: its progress and its digest's agreement.
@@ -108,5 +108,5 @@ def test_the_overview_shows_the_replication_to_monitors_only() -> None:
         (8, 1000, False),
     ]
     assert "queues" not in shown  # the API's own lists have those
-    manager = mgmt_json.Identity("mgr", ("management",))
-    assert "cpgbroker_cluster" not in mgmt_json.overview_json(view, manager)
+    manager = views.Identity("mgr", ("management",))
+    assert "cpgbroker_cluster" not in views.overview_json(view, manager)

@@ -20,7 +20,7 @@ import pytest
 import trio
 from pamqp import commands
 
-from cpgbroker.cluster.errorcheck import ErrorRounds, Round, majority
+from cpgbroker.cluster.errorcheck_vote import ErrorRounds, Round, majority
 from cpgbroker.errors import ClusterError
 from cpgbroker.model import snapshot
 from cpgbroker.model.events import ClientData, Tick
@@ -362,12 +362,12 @@ def test_a_member_that_caught_up_past_an_event_the_cluster_failed_takes_a_fresh_
 
 
 async def test_control_requests_with_bad_bodies_get_400_and_the_endpoint_lives_on() -> None:
-    from cpgbroker.runtime.admin import admin
+    from cpgbroker.runtime.admin import endpoint
 
     seen: list[int] = []
 
     async def control(path: str, args: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        seen.append(admin.json_int(args, "member", 0))
+        seen.append(endpoint.json_int(args, "member", 0))
         return 202, {"ok": True}
 
     async def post(port: int, body: bytes) -> bytes:
@@ -384,7 +384,7 @@ async def test_control_requests_with_bad_bodies_get_400_and_the_endpoint_lives_o
 
     async with trio.open_nursery() as nursery:
         _host, port = await nursery.start(
-            admin.serve_admin, "127.0.0.1:0", lambda _d: {"state": "ready"}, control, "s3cret"
+            endpoint.serve_admin, "127.0.0.1:0", lambda _d: {"state": "ready"}, control, "s3cret"
         )
         assert (await post(port, b"[" * 5000)).startswith(b"HTTP/1.1 400")
         assert (await post(port, b"[1, 2]")).startswith(b"HTTP/1.1 400")

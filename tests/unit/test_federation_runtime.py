@@ -1,4 +1,4 @@
-"""The pure parts of a member's federation links (runtime/federation/federation.py): who runs a
+"""The pure parts of a member's federation links (runtime/federation/links.py): who runs a
 link, what the upstream queue is called and bound with, what status shows of a URI, and the TLS
 context a link uses towards an amqps upstream."""
 
@@ -17,7 +17,7 @@ from test_admin_model import Ops
 import tlscerts
 from cpgbroker.model.federation import RECEIVED_FROM, Link, Upstream
 from cpgbroker.runtime.config.tls import TlsConfig
-from cpgbroker.runtime.federation.federation import (
+from cpgbroker.runtime.federation.links import (
     been_at_exact,
     client_context,
     owner,
@@ -105,7 +105,7 @@ def test_amqps_links_trust_the_configured_ca_and_present_the_members_certificate
 
 def test_a_link_whose_runner_left_shows_as_starting_until_the_next_one_reports() -> None:
     from cpgbroker.model.events import MemberLeft
-    from cpgbroker.runtime.mgmt.mgmt_json import cluster_view, federation_links_json
+    from cpgbroker.runtime.mgmt.views import cluster_view, federation_links_json
 
     h = Harness()
     ops = Ops(h)
@@ -191,7 +191,7 @@ def test_hops_name_the_cluster_as_its_connection_start_does_and_queues_keep_thei
     connection.start ``cluster_name`` ([cluster] name) into ``x-received-from``: this cluster's
     own hops and loop checks use that name too. Its queues upstream keep the group's name, so
     that renaming the cluster leaves them where they are."""
-    from cpgbroker.runtime.federation.federation import FederationLinks
+    from cpgbroker.runtime.federation.links import FederationLinks
 
     def links(server_id: str, cluster_name: str) -> FederationLinks:
         return FederationLinks(

@@ -19,7 +19,7 @@ from cpgbroker.model.broker import Broker
 from cpgbroker.model.config import BrokerConfig, Permission, Policy, User
 from cpgbroker.runtime.amqp.localbroker import LocalBroker
 from cpgbroker.runtime.config.settings import ClusterConfig, ServerConfig, load
-from cpgbroker.runtime.federation.amqpclient import AmqpClient, ConnectionClosed
+from cpgbroker.runtime.federation.client import AmqpClient, ConnectionClosed
 from modelclient import Harness
 
 

@@ -20,9 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.config import BrokerConfig, Permission, User
-from cpgbroker.runtime.mgmt import mgmt_api, mgmt_json
-from cpgbroker.runtime.mgmt.mgmt_api import Refusal
-from cpgbroker.runtime.mgmt.mgmt_json import ADMIN_TAGS, MGMT_TAGS, MONITOR_TAGS, Identity
+from cpgbroker.runtime.mgmt import reads, views
+from cpgbroker.runtime.mgmt.reads import Refusal
+from cpgbroker.runtime.mgmt.views import ADMIN_TAGS, MGMT_TAGS, MONITOR_TAGS, Identity
 
 USERS = (
     User("admin", "pw-admin", ("/", "other"), tags=("administrator",)),
@@ -42,12 +42,12 @@ def basic(user: str, password: str) -> str:
 
 def test_logins_follow_rabbitmqs_tag_rules() -> None:
     def who(auth: str, need: tuple[str, ...] = MGMT_TAGS, loopback: bool = True) -> Any:
-        return mgmt_api.authenticate(auth, USERS, "s3cret", loopback, need)
+        return reads.authenticate(auth, USERS, "s3cret", loopback, need)
 
     assert who(basic("admin", "pw-admin")) == Identity("admin", ("administrator",), USERS[0])
     assert isinstance(who(basic("mgr", "pw-mgr")), Identity)
     assert isinstance(who(basic("mon", "pw-mon"), MONITOR_TAGS), Identity)
-    assert who("Bearer s3cret") == Identity(mgmt_api.SECRET_HOLDER, ("administrator",))
+    assert who("Bearer s3cret") == Identity(reads.SECRET_HOLDER, ("administrator",))
     # Missing or wrong credentials: not_authorized with the realm, as RabbitMQ answers.
     for auth in ("", basic("admin", "nope"), basic("ghost", "x"), "Bearer nope", "Basic !!"):
         r = who(auth)
@@ -70,13 +70,13 @@ def test_logins_follow_rabbitmqs_tag_rules() -> None:
 
 
 def test_paths_split_before_decoding_and_need_rabbitmqs_tags() -> None:
-    assert mgmt_api.split_path("/api/queues/%2F/a%2Fb") == ["queues", "/", "a/b"]
-    assert mgmt_api.split_path("/api/overview") == ["overview"]
-    assert mgmt_api.split_path("/status") is None
-    assert mgmt_api.needed_tags(["users"]) == ADMIN_TAGS
-    assert mgmt_api.needed_tags(["vhosts", "/", "permissions"]) == ADMIN_TAGS
-    assert mgmt_api.needed_tags(["nodes"]) == MONITOR_TAGS
-    assert mgmt_api.needed_tags(["queues", "/"]) == MGMT_TAGS
+    assert reads.split_path("/api/queues/%2F/a%2Fb") == ["queues", "/", "a/b"]
+    assert reads.split_path("/api/overview") == ["overview"]
+    assert reads.split_path("/status") is None
+    assert reads.needed_tags(["users"]) == ADMIN_TAGS
+    assert reads.needed_tags(["vhosts", "/", "permissions"]) == ADMIN_TAGS
+    assert reads.needed_tags(["nodes"]) == MONITOR_TAGS
+    assert reads.needed_tags(["queues", "/"]) == MGMT_TAGS
 
 
 # ---- JSON shapes from a model
@@ -101,9 +101,9 @@ def _broker_with_things() -> Broker:
 
 def test_queues_exchanges_bindings_in_rabbitmqs_shapes() -> None:
     b = _broker_with_things()
-    view = mgmt_json.cluster_view({"state": "standalone", "member": None}, b, "host1")
+    view = views.cluster_view({"state": "standalone", "member": None}, b, "host1")
     admin = Identity("admin", ("administrator",), USERS[0])
-    api = mgmt_api.ManagementApi()
+    api = reads.ManagementApi()
     got = api.get(["queues", "/", "q1"], view, admin)
     assert got.status == 200
     q = got.body
@@ -119,7 +119,7 @@ def test_queues_exchanges_bindings_in_rabbitmqs_shapes() -> None:
     assert q["node"] == "cpgbroker@host1" and q["consumer_details"] == []
     assert [x["name"] for x in api.get(["queues"], view, admin).body] == ["q1"]
     assert api.get(["queues", "other"], view, admin).body == []
-    assert api.get(["queues", "/", "nope"], view, admin) == mgmt_api.Answer(
+    assert api.get(["queues", "/", "nope"], view, admin) == reads.Answer(
         404, {"error": "Object Not Found", "reason": "Not Found"}
     )
     assert api.get(["queues", "nope"], view, admin).status == 404
@@ -157,8 +157,8 @@ def test_queues_exchanges_bindings_in_rabbitmqs_shapes() -> None:
 
 def test_management_users_see_their_vhosts_and_connections_only() -> None:
     b = _broker_with_things()
-    view = mgmt_json.cluster_view({"state": "standalone"}, b, "h")
-    api = mgmt_api.ManagementApi()
+    view = views.cluster_view({"state": "standalone"}, b, "h")
+    api = reads.ManagementApi()
     mgr = Identity("mgr", ("management",), USERS[2])
     assert api.get(["queues"], view, mgr).body == []
     assert api.get(["queues", "/", "q1"], view, mgr).status == 404
@@ -178,8 +178,8 @@ def test_users_permissions_and_the_shown_hash() -> None:
             )
         )
     )
-    view = mgmt_json.cluster_view({"state": "standalone"}, b, "h")
-    api = mgmt_api.ManagementApi()
+    view = views.cluster_view({"state": "standalone"}, b, "h")
+    api = reads.ManagementApi()
     admin = Identity("admin", ("administrator",), USERS[0])
     users = api.get(["users"], view, admin).body
     admin_json = users[0]
@@ -216,9 +216,9 @@ def test_health_checks_show_the_memory_mark_and_disk_alarms() -> None:
         ],
         "quorum": {"quorate": True, "quorum": 2, "expected_votes": 3},
     }
-    view = mgmt_json.cluster_view(status, b, "h")
+    view = views.cluster_view(status, b, "h")
     assert view.node == "cpgbroker@10.0.0.2:5672"
-    api = mgmt_api.ManagementApi()
+    api = reads.ManagementApi()
     admin = Identity("admin", ("administrator",))
     assert api.get(["health", "checks", "alarms"], view, admin).body == {"status": "ok"}
     nodes = api.get(["nodes"], view, admin).body
@@ -392,8 +392,8 @@ async def test_a_standalone_broker_answers_the_api_and_metrics(
 
 
 async def test_keep_alive_bodies_and_malformed_requests() -> None:
-    from cpgbroker.runtime.admin import admin
-    from cpgbroker.runtime.mgmt import httpserve
+    from cpgbroker.runtime.admin import endpoint
+    from cpgbroker.runtime.mgmt import http11
 
     async def control(path: str, args: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         return 202, {"got": args}
@@ -412,7 +412,7 @@ async def test_keep_alive_bodies_and_malformed_requests() -> None:
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             _h, port = await nursery.start(
-                admin.serve_admin, "127.0.0.1:0", lambda _d: {"state": "ready"}, control, "s3"
+                endpoint.serve_admin, "127.0.0.1:0", lambda _d: {"state": "ready"}, control, "s3"
             )
             stream = await trio.open_tcp_stream("127.0.0.1", port)
             async with stream:
@@ -441,7 +441,7 @@ async def test_keep_alive_bodies_and_malformed_requests() -> None:
                     assert got.startswith(b"HTTP/1.1 400"), (bad, got)
             stream = await trio.open_tcp_stream("127.0.0.1", port)
             async with stream:
-                declared = httpserve.MAX_BODY + 1
+                declared = http11.MAX_BODY + 1
                 got = await exchange(
                     stream,
                     b"POST /stop HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3\r\n"
@@ -457,7 +457,7 @@ def test_lists_are_sorted_filtered_and_paged_as_rabbitmq_pages_them() -> None:
     def listed(query: str) -> Any:
         import urllib.parse
 
-        return mgmt_api.list_answer(items, urllib.parse.parse_qs(query))
+        return reads.list_answer(items, urllib.parse.parse_qs(query))
 
     assert [x["name"] for x in listed("").body] == ["abc", "def", "ghi", "xab"]
     assert [x["name"] for x in listed("sort=name&sort_reverse=true").body] == [
@@ -484,8 +484,8 @@ def test_lists_are_sorted_filtered_and_paged_as_rabbitmq_pages_them() -> None:
 
 
 def test_the_older_node_health_check_and_the_cluster_name() -> None:
-    view = mgmt_json.cluster_view({"state": "standalone"}, Broker(BrokerConfig()), "h")
-    api = mgmt_api.ManagementApi()
+    view = views.cluster_view({"state": "standalone"}, Broker(BrokerConfig()), "h")
+    api = reads.ManagementApi()
     admin = Identity("admin", ("administrator",))
     assert api.get(["healthchecks", "node"], view, admin).body == {"status": "ok"}
     assert api.get(["healthchecks", "node", "cpgbroker@h"], view, admin).body == {"status": "ok"}
@@ -502,16 +502,16 @@ def test_every_member_answers_the_configured_cluster_name_with_or_without_a_repl
     configuration's name (the same on every member), each member its own node name."""
     from cpgbroker.runtime.mgmt import metrics
 
-    api = mgmt_api.ManagementApi()
+    api = reads.ManagementApi()
     admin = Identity("admin", ("administrator",))
     members = [
         {"member": m, "url": f"amqp://10.0.0.{m}:5672/", "status": "ready"} for m in (1, 2, 3)
     ]
     for m, broker in ((1, Broker(BrokerConfig())), (2, Broker(BrokerConfig())), (3, None)):
         status = {"state": "ready", "url": f"amqp://10.0.0.{m}:5672/", "members": members}
-        view = mgmt_json.cluster_view(status, broker, "h", "prod-eu")
-        assert api.get(["cluster-name"], view, admin) == mgmt_api.Answer(200, {"name": "prod-eu"})
-        overview = mgmt_json.overview_json(view, admin)
+        view = views.cluster_view(status, broker, "h", "prod-eu")
+        assert api.get(["cluster-name"], view, admin) == reads.Answer(200, {"name": "prod-eu"})
+        overview = views.overview_json(view, admin)
         assert (overview["cluster_name"], overview["node"]) == (
             "prod-eu",
             f"cpgbroker@10.0.0.{m}:5672",
@@ -532,7 +532,7 @@ def test_every_member_answers_the_configured_cluster_name_with_or_without_a_repl
 async def test_a_failing_route_answers_500_and_the_endpoint_lives_on(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from cpgbroker.runtime.admin import admin
+    from cpgbroker.runtime.admin import endpoint
 
     def broken() -> Broker:
         raise RuntimeError("boom")
@@ -540,7 +540,7 @@ async def test_a_failing_route_answers_500_and_the_endpoint_lives_on(
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             _h, port = await nursery.start(
-                functools.partial(admin.serve_admin, replica=broken),
+                functools.partial(endpoint.serve_admin, replica=broken),
                 "127.0.0.1:0",
                 lambda _d: {"state": "ready"},
                 None,
@@ -559,9 +559,9 @@ async def test_a_failing_route_answers_500_and_the_endpoint_lives_on(
 
 def test_definitions_export_in_rabbitmqs_format() -> None:
     b = _broker_with_things()
-    view = mgmt_json.cluster_view({"state": "standalone"}, b, "h")
+    view = views.cluster_view({"state": "standalone"}, b, "h")
     admin = Identity("admin", ("administrator",), USERS[0])
-    defs = mgmt_api.ManagementApi().get(["definitions"], view, admin).body
+    defs = reads.ManagementApi().get(["definitions"], view, admin).body
     assert defs["queues"] == [
         {
             "name": "q1",
@@ -585,4 +585,4 @@ def test_definitions_export_in_rabbitmqs_format() -> None:
     assert [u["name"] for u in defs["users"]] == [u.name for u in USERS]
     assert [v["name"] for v in defs["vhosts"]] == ["/", "other"]
     assert defs["policies"] == [] and defs["topic_permissions"] == []
-    assert mgmt_api.needed_tags(["definitions"]) == ADMIN_TAGS
+    assert reads.needed_tags(["definitions"]) == ADMIN_TAGS

@@ -19,7 +19,7 @@ import pika.exceptions
 import pytest
 import trio
 
-from cpgbroker.runtime.mgmt import mgmt_write
+from cpgbroker.runtime.mgmt import writes
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "rabbitmq-3.10.8-definitions.json"
 
@@ -283,10 +283,10 @@ async def test_rabbitmq_definitions_import_and_log_in(
 def test_large_imports_travel_in_several_commands_in_order() -> None:
     queues = [{"name": f"q{i:05d}", "vhost": "/", "durable": True} for i in range(8000)]
     defs = {"users": [{"name": "u", "password": "pw", "tags": ""}], "queues": queues}
-    commands = mgmt_write.import_commands(defs, None, "admin")
+    commands = writes.import_commands(defs, None, "admin")
     assert isinstance(commands, list) and len(commands) > 1
     for c in commands:
-        assert len(json.dumps(c.args)) < 2 * mgmt_write.IMPORT_CHUNK_BYTES
+        assert len(json.dumps(c.args)) < 2 * writes.IMPORT_CHUNK_BYTES
     got = [q["name"] for c in commands for q in c.args["definitions"].get("queues", [])]
     assert got == [q["name"] for q in queues]
     user = commands[0].args["definitions"]["users"][0]
@@ -298,13 +298,13 @@ def test_renaming_the_cluster_is_refused_saying_the_name_is_the_configurations()
     member must share, so no member may change it alone."""
     from cpgbroker.model.broker import Broker
     from cpgbroker.model.config import BrokerConfig
-    from cpgbroker.runtime.mgmt.mgmt_api import Answer
-    from cpgbroker.runtime.mgmt.mgmt_json import Identity, cluster_view
+    from cpgbroker.runtime.mgmt.reads import Answer
+    from cpgbroker.runtime.mgmt.views import Identity, cluster_view
 
     view = cluster_view({"state": "ready"}, Broker(BrokerConfig()), "h", "prod")
 
     def put(identity: Identity, method: str = "PUT") -> Any:
-        return mgmt_write.command_for(
+        return writes.command_for(
             method, ["cluster-name"], b'{"name": "other"}', "", {}, identity, view
         )
 

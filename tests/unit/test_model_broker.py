@@ -184,7 +184,7 @@ def test_components_share_one_view_of_the_state() -> None:
     b = Broker()
     # The dicts the readers were given are the ones their owners write.
     assert b.vhosts is b.topology.vhosts
-    assert b.connections is b.conns.connections
+    assert b.connections is b.protocol.connections
     h, c = _open(Harness(b))
     c.rpc(1, C.Queue.Declare(queue="q", arguments={"x-message-ttl": 10}))
     c.publish(1, "", "q", b"m")

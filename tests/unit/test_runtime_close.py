@@ -19,7 +19,7 @@ from pamqp import commands, frame, header
 
 from cpgbroker.model.events import Tick
 from cpgbroker.runtime.amqp import server
-from cpgbroker.runtime.amqp.server import Node
+from cpgbroker.runtime.amqp.server import AmqpServer
 from cpgbroker.runtime.config.settings import ServerConfig
 from cpgbroker.wire.framer import PROTOCOL_HEADER
 
@@ -84,8 +84,8 @@ CLOSE = frame.marshal(
 )
 
 
-async def standalone(nursery: trio.Nursery) -> tuple[Node, int]:
-    node = Node(ServerConfig())
+async def standalone(nursery: trio.Nursery) -> tuple[AmqpServer, int]:
+    node = AmqpServer(ServerConfig())
     await node.submit(Tick(node.now_ms()))
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     nursery.start_soon(trio.serve_listeners, node.handle, listeners)

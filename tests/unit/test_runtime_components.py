@@ -14,7 +14,7 @@ import trio
 from cpgbroker.errors import ClusterError
 from cpgbroker.model.events import CONFIRM, CONFIRM_DURABLE, ClientData, Send
 from cpgbroker.runtime.amqp.confirms import ConfirmGate
-from cpgbroker.runtime.amqp.server import LocalConn, Node
+from cpgbroker.runtime.amqp.server import AmqpServer, LocalConn
 from cpgbroker.runtime.config.settings import ServerConfig
 from cpgbroker.runtime.member.eventlog import EventLog
 
@@ -120,7 +120,7 @@ def test_an_apply_fault_fires_once() -> None:
 
 
 async def test_standalone_node_applies_at_once_and_counts_no_reads_in_flight() -> None:
-    node = Node(ServerConfig())
+    node = AmqpServer(ServerConfig())
     assert node.standalone is not None
     broker = node.standalone.broker
     seq = broker.event_seq

@@ -20,7 +20,7 @@ from cpgbroker.model.broker import Broker, VHost
 from cpgbroker.model.channel import Channels
 from cpgbroker.model.config import Policy
 from cpgbroker.model.confirms import Confirms
-from cpgbroker.model.connection import Connections
+from cpgbroker.model.connection import ConnectionProtocol
 from cpgbroker.model.consumers import Consumers
 from cpgbroker.model.consumertimeout import ConsumerTimeouts
 from cpgbroker.model.delivery import Delivery
@@ -87,7 +87,7 @@ COMPONENTS = (
     Consumers,
     Transactions,
     Channels,
-    Connections,
+    ConnectionProtocol,
     QueueFlow,
     Permissions,
     Users,

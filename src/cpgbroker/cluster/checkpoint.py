@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import attrs
 
-from cpgbroker.cluster.errorcheck import majority
+from cpgbroker.cluster.errorcheck_vote import majority
 
 
 @attrs.frozen

@@ -22,6 +22,7 @@ from typing import Any
 import attrs
 
 from cpgbroker.errors import ClusterError
+from cpgbroker.model import cpg_type
 from cpgbroker.model.events import (
     AdminCommand,
     Changes,
@@ -36,7 +37,6 @@ from cpgbroker.model.events import (
     decode_forward,
     encode_forward,
 )
-from cpgbroker.model.eventtypes import cpg_type
 
 MAGIC = 0xCB
 # 2: Hello carries the state a member kept when its partition lost quorum.

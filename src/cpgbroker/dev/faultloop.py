@@ -87,7 +87,7 @@ from cpgbroker.audit.history import LOAD_HEADER, HistoryRecorder, encode_body, p
 from cpgbroker.dev.brokers import BrokerSet
 from cpgbroker.dev.cluster import DevCluster, DevClusterError
 from cpgbroker.dev.netns import proc_state
-from cpgbroker.runtime.federation.amqpclient import AmqpClient, AmqpClientError, Confirmation
+from cpgbroker.runtime.federation.client import AmqpClient, AmqpClientError, Confirmation
 
 KILL_PRIMARY_BROKER = "kill_primary_broker"
 STOP_PRIMARY_COROSYNC = "stop_primary_corosync"

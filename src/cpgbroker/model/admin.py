@@ -47,7 +47,7 @@ from cpgbroker.model.adminargs import (
 )
 from cpgbroker.model.adminops import ResourceOps
 from cpgbroker.model.config import Permission, Policy, User
-from cpgbroker.model.connection import Connections
+from cpgbroker.model.connection import ConnectionProtocol
 from cpgbroker.model.consumers import Consumers
 from cpgbroker.model.delivery import Delivery
 from cpgbroker.model.events import AdminCommand, AdminReply, Forward
@@ -88,7 +88,7 @@ class Admin:
         permissions: Permissions,
         policies: Policies,
         topology: Topology,
-        conns: Connections,
+        conns: ConnectionProtocol,
         delivery: Delivery,
         consumers: Consumers,
         out: Output,
@@ -380,7 +380,7 @@ class Admin:
         return 204, None
 
     def federation_status(self, args: dict[str, Any], who: str) -> Answer:
-        """A link's runner reports a change of its state (runtime/federation/federation.py)."""
+        """A link's runner reports a change of its state (runtime/federation/links.py)."""
         _member_only(who)
         key = (text_arg(args, "vhost"), text_arg(args, "exchange"), text_arg(args, "upstream"))
         state = args.get("state")
@@ -391,7 +391,7 @@ class Admin:
 
     def federation_pushed(self, args: dict[str, Any], who: str) -> Answer:
         """A pushing link's upstream confirmed the messages at the head of its push queue up
-        to message ``upto``: they leave it (runtime/federation/federation.py)."""
+        to message ``upto``: they leave it (runtime/federation/links.py)."""
         _member_only(who)
         vhost, exchange = text_arg(args, "vhost"), text_arg(args, "exchange")
         upto = args.get("upto")

@@ -33,7 +33,7 @@ from cpgbroker.model.adminargs import (
     table_arg,
     text_arg,
 )
-from cpgbroker.model.connection import Connections
+from cpgbroker.model.connection import ConnectionProtocol
 from cpgbroker.model.consumers import Consumers
 from cpgbroker.model.delivery import Delivery
 from cpgbroker.model.permissions import READ, WRITE, Permissions
@@ -61,7 +61,7 @@ class ResourceOps:
         self,
         permissions: Permissions,
         topology: Topology,
-        conns: Connections,
+        conns: ConnectionProtocol,
         delivery: Delivery,
         consumers: Consumers,
         version: ModelVersion,

@@ -10,7 +10,7 @@ members replay one CPG stream into identical brokers.
 * Client bytes arrive as :class:`ClientData`. The connection's :class:`FrameReader` cuts them
   into frames; each frame is handled in order. A client protocol violation raises an
   :class:`AMQPError` inside a handler and is converted to channel.close / connection.close at
-  exactly one place (``Connections.on_data``); it never escapes ``apply``.
+  exactly one place (``ConnectionProtocol.on_data``); it never escapes ``apply``.
 * Deliveries to consumers need do-output credit: :class:`DoOutput` grants it, each delivery
   spends one. When credit runs out while messages wait, the model emits :class:`WantOutput` so
   the member owning the connection can grant more once its socket drains. This is the seed
@@ -45,7 +45,7 @@ component         module                 owns
 ``timeouts``      ``consumertimeout.py`` consumer timeouts: the channels a tick may close
 ``transactions``  ``transactions.py``    tx.select / commit / rollback
 ``channels``      ``channel.py``         the method table; channels opening and closing
-``conns``         ``connection.py``      ``connections``; handshake, frames, closes
+``protocol``      ``connection.py``      ``connections``; handshake, frames, closes
 ``admin``         ``admin.py``           nothing: applies operators' changes (AdminCommand)
 ``replication``   ``replica.py``         a hot-standby backup's index of messages; applies
                                          the primary's change batches (Changes)
@@ -65,7 +65,7 @@ from cpgbroker.model.changes import ChangeLog, Recording
 from cpgbroker.model.channel import Channels
 from cpgbroker.model.config import BrokerConfig
 from cpgbroker.model.confirms import Confirms
-from cpgbroker.model.connection import Connections
+from cpgbroker.model.connection import ConnectionProtocol
 from cpgbroker.model.consumers import Consumers
 from cpgbroker.model.consumertimeout import ConsumerTimeouts
 from cpgbroker.model.delivery import Delivery
@@ -115,7 +115,7 @@ class Broker:
         # Events applied so far (failed ones included, see count_failed_event).
         self.event_seq = 0
         # Created here, so that the components reading it can be given it before the one
-        # that writes it (Connections) exists.
+        # that writes it (ConnectionProtocol) exists.
         self.connections: dict[int, Connection] = {}
         self.clock = Clock()
         self.out = Output(self.clock)
@@ -179,7 +179,7 @@ class Broker:
             self._changes,
         )
         self.timeouts.close_channel = self.channels.channel_error
-        self.conns = Connections(
+        self.protocol = ConnectionProtocol(
             cfg,
             self.connections,
             self.clock,
@@ -199,7 +199,7 @@ class Broker:
             self.permissions,
             self.policies,
             self.topology,
-            self.conns,
+            self.protocol,
             self.delivery,
             self.consumers,
             self.out,
@@ -219,7 +219,7 @@ class Broker:
             self.version,
         )
         # Bound once: apply routes every event through these.
-        self._on_data = self.conns.on_data
+        self._on_data = self.protocol.on_data
         self._on_do_output = self.delivery.on_do_output
         self._flush = self.out.flush
 
@@ -246,18 +246,18 @@ class Broker:
             self._on_tick(event.now_ms)
             return self._flush()
         if type(event) is ClientConnected:
-            self.conns.on_connected(event)
+            self.protocol.on_connected(event)
         elif type(event) is ClientDisconnected:
-            self.conns.disconnected(event.conn, event.reason)
+            self.protocol.disconnected(event.conn, event.reason)
         elif type(event) is CloseClient:
-            self.conns.close(event.conn, event.code, event.text)
+            self.protocol.close(event.conn, event.code, event.text)
         elif type(event) is ClusterMembers:
             delivery = self.delivery
             topology = self.topology
             for q in topology.set_members(event.urls):
                 delivery.publish_members(q, topology.member_urls)
         elif type(event) is MemberLeft:
-            self.conns.member_left(event.member)
+            self.protocol.member_left(event.member)
             self.federation.member_left(event.member)
             if event.member in self.mark.disk_alarms:
                 self.mark.set_disk_alarm(event.member, False)
@@ -288,7 +288,7 @@ class Broker:
         majority hit the same error there): the event counts as applied, and the connection
         it came from, if any, is closed with 541 internal-error rather than left in whatever
         state the failure left it. Every member that continues takes this same step."""
-        conns = self.conns
+        conns = self.protocol
         conn = self.connections.get(getattr(event, "conn", -1))
         if conn is not None:
             if conn.state == E.OPEN:
@@ -331,6 +331,11 @@ class Broker:
     def changes(self) -> ChangeLog | None:
         return self._changes.log
 
+    def set_local_member(self, member: int) -> None:
+        """This replica is member ``member``'s: it answers that member's operators' changes
+        (model/admin.py). Not replicated: each member sets its own."""
+        self.admin.local_member = member
+
     def set_emit(self, conn_id: int, emit: bool) -> None:
         """Mark a connection as this replica's own (emit output) or a shadow (discard)."""
         conn = self.connections.get(conn_id)
@@ -343,7 +348,7 @@ class Broker:
         # Another member may take over the clock with a clock slightly behind: cluster time
         # never goes back (every replica clamps the same way, so this stays deterministic).
         self.clock.set(max(now_ms, self.clock.now_ms))
-        self.conns.on_tick()
+        self.protocol.on_tick()
         self.timeouts.on_tick()
         self.delivery.expire_ttl()
         self.topology.expire_unused()

@@ -8,7 +8,7 @@ versioned by its first byte (:data:`BATCH_FORMAT`): no pickle or marshal. It is,
 * the head (:data:`HEAD_S`): the format, the primary's message counter and cluster time, and
   flags (:data:`F_DEFINITIONS`, :data:`F_CONFIRMS`, :data:`F_DURABLE`, :data:`F_APPLIED`);
 * with :data:`F_DEFINITIONS`, the primary's definitions: a u32 length, then
-  ``snapshot.definitions`` in the canonical encoding (``model/plain.py``);
+  ``snapshot.definitions`` in the canonical encoding (``model/canonical.py``);
 * the records, each a kind byte (``changes.CREATED`` ... ``changes.DELETED``, or
   :data:`NAME_KIND`) and a queue's number in this batch (*ref*): a queue the batch declares
   gets its number at its ``created`` record, any other one at a :data:`NAME_KIND` record
@@ -26,10 +26,10 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 from cpgbroker.errors import InvariantError
+from cpgbroker.model.canonical import decode as decode_plain
+from cpgbroker.model.canonical import queue_from_meta
 from cpgbroker.model.changes import CREATED, DELETED, DELIVERED, ENQUEUED, RELEASED, REQUEUED
 from cpgbroker.model.entities import Message, Queue
-from cpgbroker.model.plain import decode as decode_plain
-from cpgbroker.model.plain import queue_from_meta
 
 BATCH_FORMAT = 1
 

@@ -5,7 +5,7 @@ Theory of operation
 In active-active every member replays every client's bytes. In hot standby with state shipping
 (``[cluster] replication = "changes"``) only the primary applies its clients' bytes; what its
 backups need is what would survive the primary's death: the definitions (vhosts, exchanges,
-queues, bindings, users, policies, federation) and the messages in the queues. Connections,
+queues, bindings, users, policies, federation) and the messages in the queues. ConnectionProtocol,
 channels, consumers and confirms die with the primary, so they are never shipped.
 
 A :class:`ChangeLog` attached to a broker (:meth:`Broker.record_changes`) is told, by the few
@@ -226,6 +226,11 @@ class ChangeLog:
         if left <= RESERVE - RESERVE_MORE:
             self._reserve(q)
         return taken > self.stable_take
+
+    def stable_to(self, take: int) -> None:
+        """Every ready member applied the batch of take ``take`` (the runtime's word): what
+        was reserved up to it may be delivered at once."""
+        self.stable_take = take
 
     def _reserve_queued(self) -> None:
         """At the cut: reserve what joined a queue in this batch and is still queued (module

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-:class:`Connections` is the only writer of the broker's ``connections`` dict (the broker
+:class:`ConnectionProtocol` is the only writer of the broker's ``connections`` dict (the broker
 creates the dict, so the components that only read it can be given it first). It owns:
 
 * the handshake state machine (``Connection.state``: protocol header, start-ok, tune-ok,
@@ -159,7 +159,7 @@ def mark_closing(conn: Connection) -> None:
         ch.closing = True
 
 
-class Connections:
+class ConnectionProtocol:
     __slots__ = (
         "_basic_ack",
         "_basic_publish",

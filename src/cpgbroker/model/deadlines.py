@@ -1,10 +1,10 @@
-"""Which connections a clock tick must visit (derived state of ``Connections``).
+"""Which connections a clock tick must visit (derived state of ``ConnectionProtocol``).
 
 A tick sends heartbeats, drops silent clients and ends handshake and close timeouts. Walking
 every connection for that cost O(all connections) per tick; :class:`Deadlines` keeps a
 lazily checked heap of when each connection next has something to do, so a tick costs the
 connections that are due (as ``ttlindex.py`` does for message TTL). It is never replicated:
-snapshots leave it out and ``Connections.restore`` rebuilds it.
+snapshots leave it out and ``ConnectionProtocol.restore`` rebuilds it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def next_due(conn: Connection) -> int | None:
     """The cluster time from which a tick has something to do for ``conn`` (drop it after a
     timeout or a heartbeat missed, or send it a heartbeat), from its state and its last
     receive and send; None if no tick ever will until one of those changes. Each condition
-    of :meth:`Connections.on_tick` is ``now >= threshold``, so this is the smallest threshold
+    of :meth:`ConnectionProtocol.on_tick` is ``now >= threshold``, so this is the smallest threshold
     that applies."""
     state = conn.state
     due = None
@@ -35,8 +35,9 @@ def next_due(conn: Connection) -> int | None:
 
 
 class Deadlines:
-    """Which connections a tick must visit: derived state of :class:`Connections`, never
-    replicated (snapshots leave it out, a restore rebuilds it through ``Connections.restore``).
+    """Which connections a tick must visit: derived state of :class:`ConnectionProtocol`,
+    never replicated (snapshots leave it out, a restore rebuilds it through
+    ``ConnectionProtocol.restore``).
 
     ``order`` numbers each connection in the order it joined ``connections`` (increasing, so
     sorting by it is the dict's order, the order in which the full sweep of every connection

@@ -131,7 +131,7 @@ class AdminCommand:
 @attrs.frozen
 class Forward:
     """Messages the federation link (``vhost``, ``exchange``, ``upstream``) of ``member``
-    brought in from an upstream cluster (runtime/federation/federation.py), to publish into the
+    brought in from an upstream cluster (runtime/federation/links.py), to publish into the
     exchange in this order, as (routing key, content header, body, digest, redelivered): the header
     already carries ``x-received-from``; ``digest`` names the message as the upstream sent
     it, and ``redelivered`` says the upstream sent it before (to a runner that may have handed

@@ -11,7 +11,7 @@ list of AMQP URLs, tried in turn) and how to link to it. A policy on exchanges w
 each exchange it matches *federated*: for every (exchange, upstream) pair there is a *link*.
 The links are a pure function of this state and the topology (:meth:`Federation.links`), so
 every member computes the same list in the same order; which member runs a link is decided
-from the same replicated membership (runtime/federation/federation.py).
+from the same replicated membership (runtime/federation/links.py).
 
 A link's runner reports its state changes (connecting, running, error) through an ordered
 admin command, so every member shows every link's status alike; messages a link brings in

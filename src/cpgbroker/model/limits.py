@@ -15,14 +15,14 @@ at the same event. The handlers call the ``check_*`` functions before they creat
 each costs O(1).
 
 The connection and channel checks read counters kept here (derived state, not in snapshots:
-``Connections.restore`` recounts each restored connection). What they count is exactly what a
+``ConnectionProtocol.restore`` recounts each restored connection). What they count is exactly what a
 scan of the broker's connections would:
 
 * ``vhost_connections[v]`` / ``user_connections[u]``: connections in the connections dict that
   are past connection.open (``conn.vhost`` set) into ``v`` / of user ``u``, closing ones
   included (they stay until dropped). Counted by ``connection_opened`` when connection.open is
   accepted, uncounted by ``connection_gone`` when the connection leaves the dict (client close,
-  deliver-close, a member leaving, a timeout: ``Connections.drop``).
+  deliver-close, a member leaving, a timeout: ``ConnectionProtocol.drop``).
 * ``user_channels[u]``: the channels (closing ones included) held in ``conn.channels`` by the
   connections of user ``u``. Changed by ``channels_opened`` / ``channels_closed`` wherever
   ``conn.channels`` grows or shrinks (channel.open, channel.close / close-ok, a connection's

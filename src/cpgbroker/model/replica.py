@@ -56,13 +56,13 @@ from typing import Any
 
 from cpgbroker.errors import InvariantError
 from cpgbroker.model import changebatch
+from cpgbroker.model.canonical import decode, queue_from_meta, restore_user, vhost_from_part
 from cpgbroker.model.config import Policy
 from cpgbroker.model.delivery import Delivery
 from cpgbroker.model.entities import Entry, Message, PriorityMessages, Queue
 from cpgbroker.model.federation import Federation, Upstream
 from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Clock, Output
-from cpgbroker.model.plain import decode, queue_from_meta, restore_user, vhost_from_part
 from cpgbroker.model.policies import Policies
 from cpgbroker.model.topology import Topology
 from cpgbroker.model.users import Users
@@ -132,6 +132,19 @@ class Replication:
         # While a state update from this member is sent: the messages released since, as
         # (vhost, queue, id), for the updater to leave out (runtime/update/transfer.py); else None.
         self.released: list[tuple[str, str, int]] | None = None
+
+    # The runtime says what it is doing with this replica through these (it never writes the
+    # attributes above itself).
+
+    def catch_up(self, catching_up: bool) -> None:
+        """Whether the events now replayed follow a state update that left messages out (or a
+        store's recovery, whose base may come from one): see ``catching_up``."""
+        self.catching_up = catching_up
+
+    def track_released(self, tracking: bool) -> None:
+        """Start (an empty list) or stop (None) collecting ``released`` for a state update
+        this member sends from the back of its queues."""
+        self.released = [] if tracking else None
 
     def _entries(self, q: Queue) -> dict[int, Entry]:
         key = (q.vhost, q.name)

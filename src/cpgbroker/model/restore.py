@@ -15,6 +15,12 @@ from typing import Any
 from cpgbroker.errors import InvariantError
 from cpgbroker.model import entities as E
 from cpgbroker.model.broker import Broker
+from cpgbroker.model.canonical import (
+    SNAPSHOT_FORMAT,
+    queue_from_meta,
+    restore_user,
+    vhost_from_part,
+)
 from cpgbroker.model.config import BrokerConfig, Policy
 from cpgbroker.model.entities import (
     Channel,
@@ -30,7 +36,6 @@ from cpgbroker.model.entities import (
     TxPublish,
 )
 from cpgbroker.model.federation import Upstream
-from cpgbroker.model.plain import SNAPSHOT_FORMAT, queue_from_meta, restore_user, vhost_from_part
 from cpgbroker.model.topology import VHost
 from cpgbroker.model.versions import NEWEST, OLDEST, supports
 from cpgbroker.wire import fastpath as fp
@@ -276,7 +281,7 @@ class Restorer:
                 pend.remaining = remaining
                 pend.parts = list(parts) or None
             conn.channels[ch.id] = ch
-        self.b.conns.restore(conn)
+        self.b.protocol.restore(conn)
 
 
 def _restore_message(m: list[Any]) -> Message:

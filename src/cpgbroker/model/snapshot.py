@@ -16,7 +16,7 @@ broker's components) is either snapshotted or listed here as derived.
 
 Snapshot and restore go through the model's public surface only: the broker's public
 counters and components (``Broker.topology.ttl_queues``, ``Broker.restore_counters``,
-``Topology.restore``, ``Connections.restore``) and the entities, never a private attribute,
+``Topology.restore``, ``ConnectionProtocol.restore``) and the entities, never a private attribute,
 so the model's components can change inside without this module following them. The
 encoding is format 2 byte for byte (``tests/unit/test_replay_fixture.py`` replays a recorded
 log against digests taken before the model was split into components).
@@ -30,6 +30,7 @@ from collections.abc import Callable, Container, Iterable, Iterator
 from typing import Any
 
 from cpgbroker.model.broker import Broker
+from cpgbroker.model.canonical import SNAPSHOT_FORMAT, decode, encode, queue_from_meta
 from cpgbroker.model.changes import ships_queue
 from cpgbroker.model.config import User
 from cpgbroker.model.entities import (
@@ -43,11 +44,10 @@ from cpgbroker.model.entities import (
     TxPublish,
 )
 from cpgbroker.model.exchange import Binding, Exchange
-from cpgbroker.model.plain import SNAPSHOT_FORMAT, decode, encode, queue_from_meta
 from cpgbroker.model.restore import Restorer, restore
 from cpgbroker.model.versions import CONSUMER_TIMEOUTS, OLDEST
 
-# Snapshots are encoded with the canonical encoding of model/plain.py: its two functions are
+# Snapshots are encoded with the canonical encoding of model/canonical.py: its two functions are
 # this module's too, as are restoring (model/restore.py) and the format both follow.
 __all__ = [
     "CHUNK",

@@ -68,7 +68,7 @@ R = ReplyCode
 # the current list at once and again on every membership change.
 FAILOVER_EXCHANGE = "amq.failover"
 # Fanout exchange over which federation peers announce themselves (the seed design's
-# status exchange; runtime/federation/federation.py publishes to an upstream's): made in every vhost
+# status exchange; runtime/federation/links.py publishes to an upstream's): made in every vhost
 # of a cluster that has a federation server id.
 PEER_EXCHANGE = "amq.peer"
 # RabbitMQ's direct reply-to: a channel consumes this pseudo-queue (no-ack), and a publish on

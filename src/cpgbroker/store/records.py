@@ -15,6 +15,7 @@ from __future__ import annotations
 import struct
 
 from cpgbroker.errors import InvariantError
+from cpgbroker.model import journal_type
 from cpgbroker.model.events import (
     AdminCommand,
     Changes,
@@ -33,7 +34,6 @@ from cpgbroker.model.events import (
     decode_forward,
     encode_forward,
 )
-from cpgbroker.model.eventtypes import journal_type
 
 # The record types: model/eventtypes.py numbers every kind of event once, for both codecs.
 R_DATA = journal_type(ClientData)

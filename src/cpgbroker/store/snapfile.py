@@ -18,9 +18,7 @@ import struct
 from collections.abc import Callable
 from typing import IO
 
-from cpgbroker.model import snapshot
-from cpgbroker.model.broker import Broker
-from cpgbroker.model.config import BrokerConfig
+from cpgbroker.model import Broker, BrokerConfig, snapshot
 from cpgbroker.store.disk import Disk, StoreCorrupt
 
 MAGIC = b"CPGBSNP1"

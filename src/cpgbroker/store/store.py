@@ -46,10 +46,8 @@ from typing import Any, ClassVar
 import attrs
 
 from cpgbroker.errors import ConfigError
-from cpgbroker.model.broker import Broker
-from cpgbroker.model.config import CLUSTER_WIDE, BrokerConfig
+from cpgbroker.model import CLUSTER_WIDE, NEWEST, OLDEST, Broker, BrokerConfig, supports
 from cpgbroker.model.events import ClientConnected
-from cpgbroker.model.versions import NEWEST, OLDEST, supports
 from cpgbroker.store import meta, records, snapfile
 from cpgbroker.store.disk import Disk, OsDisk, StoreCorrupt, StoreError
 from cpgbroker.store.journal import JournalWriter, read_journal
@@ -292,7 +290,7 @@ class Store:
         p.phase = "replaying"
         # A hot-standby replica's base may come from an update that left out messages
         # consumed while it was sent (model/replica.py): their records are skipped again.
-        broker.replication.catching_up = True
+        broker.replication.catch_up(True)
         scan = read_journal(disk, self.dir, m.base_seq)
         next_report = t0 + PROGRESS_EVERY_S
         fail_text = "internal error while processing this connection"
@@ -319,7 +317,7 @@ class Store:
                     p.journal_bytes / 2**20,
                     left,
                 )
-        broker.replication.catching_up = False
+        broker.replication.catch_up(False)
         torn = getattr(scan, "torn", None)
         if torn:
             log.warning(

@@ -1,8 +1,8 @@
 """The admin plane: the admin endpoint, its secret, operators' changes in flight and the
 command line's client.
 
-* ``admin``: the admin endpoint's routes and logins (status, the management API, metrics,
-  the dashboard), served over ``runtime.mgmt.httpserve``.
+* ``endpoint``: the admin endpoint's routes and logins (status, the management API, metrics,
+  the dashboard), served over ``runtime.mgmt.http11``.
 * ``secret``: the admin secret file (generated at first start, mode 0600).
 * ``admindesk``: :class:`~.admindesk.AdminDesk`, a member's admin commands in flight, answered
   once stable.

@@ -1,4 +1,4 @@
-"""The client side of a member's admin endpoint (runtime/admin/admin.py), for the CLI and the dev
+"""The client side of a member's admin endpoint (runtime/admin/endpoint.py), for the CLI and the dev
 tools: where the endpoint is, the secret that opens it, and one request.
 
 Blocking (urllib): the CLI makes a handful of requests and exits.

@@ -1,5 +1,5 @@
 """``cpgbroker ctl``: ``rabbitmqctl``'s everyday commands, with its names, arguments and table
-output, over a member's management API (runtime/mgmt/mgmt_api.py, runtime/mgmt/mgmt_write.py).
+output, over a member's management API (runtime/mgmt/reads.py, runtime/mgmt/writes.py).
 
 It proves itself with the member's admin secret, as ``rabbitmqctl`` does with the Erlang
 cookie: whoever may read the secret file on a member's machine may administer the cluster.

@@ -1,8 +1,9 @@
 """The clients' side: TCP listeners, one reader and one writer task per client, the ticker, the
 confirm gate and member-local clients.
 
-* ``server``: :class:`Node` (listeners and each client's reader and writer), the sequencer it is
-  given (a member's multicaster or, standalone, :class:`~.server.LocalSequencer`), the ticker.
+* ``server``: :class:`AmqpServer` (listeners and each client's reader and writer), the
+  sequencer it is given (a member's multicaster or, standalone,
+  :class:`~.server.LocalSequencer`), the ticker.
 * ``confirms``: :class:`ConfirmGate`, local clients' output held until its event is stable.
 * ``localbroker``: :class:`LocalBroker`, member-local listeners served by a standalone broker.
 
@@ -14,6 +15,6 @@ confirm gate. It uses the configuration (``runtime.config``) and the admin desk
 
 from cpgbroker.runtime.amqp.confirms import ConfirmGate
 from cpgbroker.runtime.amqp.localbroker import LocalBroker
-from cpgbroker.runtime.amqp.server import LocalSequencer, Node
+from cpgbroker.runtime.amqp.server import AmqpServer, LocalSequencer
 
-__all__ = ["ConfirmGate", "LocalBroker", "LocalSequencer", "Node"]
+__all__ = ["AmqpServer", "ConfirmGate", "LocalBroker", "LocalSequencer"]

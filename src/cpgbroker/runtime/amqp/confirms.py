@@ -8,8 +8,8 @@ member crashing may take with it an event the others never received: once every 
 applied it, the message the confirm vouches for survives a partition and the failure of all
 members but one.
 
-The :class:`~cpgbroker.runtime.amqp.server.Node` hands the gate a ``Send`` that carries a confirm,
-and everything after it for the same connection (sends and the close, in order); the member
+The :class:`~cpgbroker.runtime.amqp.server.AmqpServer` hands the gate a ``Send`` that carries a
+confirm, and everything after it for the same connection (sends and the close, in order); the member
 calls :meth:`ConfirmGate.release` with the stable sequence at the end of each delivered batch.
 
 Owns: which connections hold output (``LocalConn.held`` itself is the gate's to change).

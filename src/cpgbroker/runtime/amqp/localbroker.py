@@ -7,9 +7,9 @@ then differ between members, and its bytes would cross CPG anyway. Locality is t
 property of a connection, chosen where the client connects: ``[cluster] local_listen``.
 
 A :class:`LocalBroker` serves those listeners with a standalone broker in the member's process
-(a :class:`~cpgbroker.runtime.amqp.server.Node` with its own model, applied at once, as a broker
-without ``[cluster]`` does). Its queues live on this member only, are never stored, and die with
-it: its clients' connections drop with the process and they reconnect and declare again, as
+(a :class:`~cpgbroker.runtime.amqp.server.AmqpServer` with its own model, applied at once, as a
+broker without ``[cluster]`` does). Its queues live on this member only, are never stored, and
+die with it: its clients' connections drop with the process and they reconnect and declare again, as
 RPC clients do with their reply queues. Users, permissions and vhosts are the cluster's: the
 replica's are taken before each new client and every :data:`FOLLOW_EVERY` seconds
 (``Broker.mirror_access``, between events on this thread), so a user the management API adds,
@@ -29,10 +29,9 @@ from typing import Any
 import attrs
 import trio
 
-from cpgbroker.model.broker import Broker
+from cpgbroker.model import TRUSTED, Broker
 from cpgbroker.model.events import Tick
-from cpgbroker.model.permissions import TRUSTED
-from cpgbroker.runtime.amqp.server import ClientStream, Node, open_listeners
+from cpgbroker.runtime.amqp.server import AmqpServer, ClientStream, open_listeners
 from cpgbroker.runtime.config.settings import ServerConfig
 from cpgbroker.runtime.config.tls import TlsListener
 
@@ -60,7 +59,7 @@ class LocalBroker:
                 config.broker, policies=(), upstreams=(), server_id="", replicated=False
             ),
         )
-        self.node = Node(self.config)
+        self.node = AmqpServer(self.config)
         assert self.node.standalone is not None
         self.broker = self.node.standalone.broker
         self._replica = replica

@@ -1,12 +1,12 @@
 """The trio runtime: TCP listeners, one reader and one writer task per client, the ticker, and
 the sequencer that feeds ordered events to the model.
 
-A :class:`Node` does client I/O only: it is *given* the sequencer its events go to and, in a
+A :class:`AmqpServer` does client I/O only: it is *given* the sequencer its events go to and, in a
 cluster, the confirm gate its confirms wait in. Standalone, the sequencer is trivial
 (:class:`LocalSequencer`): an event is applied the moment it is submitted (trio runs one task at
 a time, so submissions are already totally ordered). A cluster member gives it the CPG
 multicaster (``runtime/member/multicast.py``: the event is applied when CPG delivers it back, and
-the member hands the effects to :meth:`Node.execute`) and its confirm gate
+the member hands the effects to :meth:`AmqpServer.execute`) and its confirm gate
 (``runtime/amqp/confirms.py``); nothing here changes.
 
 Flow control, end to end:
@@ -33,8 +33,7 @@ import trio
 from cpgbroker import __version__
 from cpgbroker.cluster.codec import conn_id
 from cpgbroker.errors import ReplyCode
-from cpgbroker.model import snapshot
-from cpgbroker.model.broker import Broker
+from cpgbroker.model import NEWEST, OLDEST, Broker, snapshot
 from cpgbroker.model.events import (
     AdminReply,
     ClientConnected,
@@ -51,7 +50,6 @@ from cpgbroker.model.events import (
     Tick,
     WantOutput,
 )
-from cpgbroker.model.versions import NEWEST, OLDEST
 from cpgbroker.runtime.admin.admindesk import AdminDesk
 from cpgbroker.runtime.config.settings import ServerConfig, parse_listen
 from cpgbroker.runtime.config.tls import (
@@ -138,7 +136,7 @@ class LocalConn:
         # come back through CPG); the reader stops while READ_CREDIT are in flight.
         self.inflight = 0
         self.credit_back = trio.Event()
-        # ``Node.write`` writes straight to the socket (fd), or encrypts and writes (tls).
+        # ``AmqpServer.write`` writes straight to the socket (fd), or encrypts and writes (tls).
         self.tls = stream if isinstance(stream, TlsStream) else None
         self.fd = -1 if self.tls is not None else stream.socket.fileno()
         # The writer task is inside send_all: only it may write until it is done.
@@ -182,7 +180,7 @@ class LocalSequencer:
         self._execute(self._apply(ev))
 
 
-class Node:
+class AmqpServer:
     """Client I/O of this process: accepts connections, reads what clients send and hands it to
     the sequencer, and executes the model's effects for its own connections (writes, closes,
     do-output, throttling). Owns the local connections; never applies an event itself."""
@@ -608,7 +606,7 @@ async def open_listeners(
             for lst in await trio.open_tcp_listeners(port, host=host):
                 addr = lst.socket.getsockname()
                 log.info("listening amqps host=%s port=%s", addr[0], addr[1])
-                # The handshake is not the listener's: Node.handle does it, under a timeout.
+                # The handshake is not the listener's: AmqpServer.handle does it, under a timeout.
                 listeners.append(TlsListener(lst, ctx))
     return listeners, bound
 

@@ -12,18 +12,21 @@ import attrs
 
 from cpgbroker import __version__
 from cpgbroker.errors import ConfigError
-from cpgbroker.model import auth, permissions
-from cpgbroker.model.changes import REPLICATE
-from cpgbroker.model.config import (
+from cpgbroker.model import (
     CLUSTER_WIDE,
+    PERMISSION_FIELDS,
+    REPLICATE,
     BrokerConfig,
     Permission,
     Policy,
+    Upstream,
     User,
+    auth,
+    check_user,
     cluster_wide,
+    upstream_from_value,
+    validate_policy,
 )
-from cpgbroker.model.federation import Upstream, upstream_from_value
-from cpgbroker.model.policies import validate as validate_policy
 from cpgbroker.runtime.config.sections import (
     address,
     addresses,
@@ -386,13 +389,13 @@ def _users(raw: Any, vhosts: tuple[str, ...]) -> tuple[User, ...]:
                     f"user {u.name!r}: vhost {perm.vhost!r} is both in vhosts (full "
                     "permissions) and in [[users.permissions]]"
                 )
-        permissions.check_user(u)
+        check_user(u)
     return users
 
 
 def standalone_name() -> str:
     """A standalone broker's cluster name: its node name as the management API gives it
-    (runtime/mgmt/mgmt_json.py ``node_name`` without a member URL), as RabbitMQ names a cluster of
+    (runtime/mgmt/views.py ``node_name`` without a member URL), as RabbitMQ names a cluster of
     one node after that node (``rabbit@host``). Distinct per machine, so that dashboards
     grouping by cluster do not merge separate brokers."""
     return f"cpgbroker@{socket.gethostname()}"
@@ -440,7 +443,7 @@ def _permissions(u: dict[str, Any]) -> tuple[Permission, ...]:
         raise ConfigError(f"[[users]] {name!r}: permissions must be [[users.permissions]] tables")
     out: list[Permission] = []
     for p in raw:
-        keys = ("vhost", *permissions.FIELDS)
+        keys = ("vhost", *PERMISSION_FIELDS)
         missing = [k for k in keys if k not in p]
         unknown = sorted(k for k in p if k not in keys)
         if missing or unknown:

@@ -6,9 +6,9 @@ each delivered CPG event to the components that own their state, and those compo
   facade, instead of reaching through the member into its components).
 * ``multicast``: submitting events to CPG, batching. ``cpg_trio`` and ``quorum_trio``: libcpg
   and votequorum under trio. ``ringgate``: whether the ring may serve (quorum).
-* ``checkpoints``, ``errorchecks``, ``stops``, ``eventlog``, ``applytimes``, ``lease`` (the
+* ``checkpoints``, ``errorcheck_rounds``, ``stops``, ``eventlog``, ``applytimes``, ``lease`` (the
   hot-standby primary's lease): the member's bookkeeping components.
-* ``storage``: :class:`~.storage.StoreLink`, the store as the event loop sees it.
+* ``storelink``: :class:`~.storelink.StoreLink`, the store as the event loop sees it.
 * ``watchdog``: the separate process that kills a member that stops making progress, and the
   :class:`~.watchdog.ApplyMark` the member shares with it.
 

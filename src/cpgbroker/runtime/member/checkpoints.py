@@ -24,8 +24,7 @@ from cpgbroker.cluster import codec
 from cpgbroker.cluster.checkpoint import Checkpoints, Verdict
 from cpgbroker.cluster.codec import Checkpoint
 from cpgbroker.errors import ClusterError
-from cpgbroker.model import snapshot
-from cpgbroker.model.broker import Broker
+from cpgbroker.model import Broker, snapshot
 from cpgbroker.runtime.member.eventlog import EventLog
 from cpgbroker.runtime.update import transfer as update
 

@@ -20,7 +20,7 @@ import time
 from typing import IO, Any
 
 from cpgbroker.errors import ClusterError
-from cpgbroker.model.eventtypes import EVENT_TYPES
+from cpgbroker.model import EVENT_TYPES
 
 log = logging.getLogger("cpgbroker.member")
 

@@ -13,7 +13,7 @@ Theory of operation
 deliveries in total order, routes each item to the component whose job it is and executes
 what they return. Each component owns its state and never imports this module:
 
-* ``runtime/amqp/server.py`` :class:`~cpgbroker.runtime.amqp.server.Node`: client I/O; it is
+* ``runtime/amqp/server.py`` :class:`~cpgbroker.runtime.amqp.server.AmqpServer`: client I/O; it is
   given the replication mode's sequencer and the confirm gate;
 * ``runtime/replication/modes.py``: the replication mode (replaying client bytes, or shipping
   state changes), called wherever the modes differ without asking which one it is;
@@ -23,11 +23,11 @@ what they return. Each component owns its state and never imports this module:
 * ``runtime/update/taking.py`` and ``runtime/update/giving.py``: the two sides of a state update;
 * ``runtime/member/checkpoints.py``: digest checkpoints over ``cluster/checkpoint.py``;
 * ``runtime/member/eventlog.py``: the event log and injected faults;
-* ``runtime/member/errorchecks.py``: this member's side of error-check rounds, over
-  ``cluster/stall.py`` (pure);
+* ``runtime/member/errorcheck_rounds.py``: this member's side of error-check rounds, over
+  ``cluster/errorcheck_stall.py`` (pure);
 * ``cluster/merge.py`` (pure): partition merge verdicts; ``cluster/quorum.py``: ring gating;
 * ``runtime/member/stops.py``: stop requests;
-* ``store/`` (through ``runtime/member/storage.py``): the member's durable store, which journals
+* ``store/`` (through ``runtime/member/storelink.py``): the member's durable store, which journals
   every applied event (``_after_apply``) and whose fsyncs come back as ``on_durable``.
 
 What stays here is the order of things: which component sees an event, in which state of the
@@ -85,8 +85,7 @@ from cpgbroker.corosync.events import (
     TotemConfChg,
 )
 from cpgbroker.errors import ClusterError
-from cpgbroker.model.admin import RAISE_MODEL_VERSION
-from cpgbroker.model.broker import Broker
+from cpgbroker.model import NEWEST, OLDEST, RAISE_MODEL_VERSION, Broker
 from cpgbroker.model.events import (
     AdminCommand,
     Changes,
@@ -96,17 +95,16 @@ from cpgbroker.model.events import (
     Recovered,
     Tick,
 )
-from cpgbroker.model.versions import NEWEST, OLDEST
 from cpgbroker.runtime.admin.admindesk import AdminDesk
 from cpgbroker.runtime.amqp.confirms import ConfirmGate
-from cpgbroker.runtime.amqp.server import ClientStream, Node, forced_close_frame
+from cpgbroker.runtime.amqp.server import AmqpServer, ClientStream, forced_close_frame
 from cpgbroker.runtime.config.digest import config_digest
 from cpgbroker.runtime.config.settings import ServerConfig
-from cpgbroker.runtime.federation.federation import FederationLinks, client_context
+from cpgbroker.runtime.federation.links import FederationLinks, client_context
 from cpgbroker.runtime.member.applytimes import APPLY_SAMPLE, ApplyTimes
 from cpgbroker.runtime.member.checkpoints import Checkpointer
 from cpgbroker.runtime.member.cpg_trio import TrioCpg
-from cpgbroker.runtime.member.errorchecks import ErrorChecks
+from cpgbroker.runtime.member.errorcheck_rounds import ErrorChecks
 from cpgbroker.runtime.member.eventlog import EventLog
 from cpgbroker.runtime.member.lease import LAPSED, PrimaryLease
 from cpgbroker.runtime.member.multicast import Multicaster
@@ -234,7 +232,7 @@ class ClusterNode:
         self._build_wings(config, cpg, inherited)
         # A sample of how long events take to apply (runtime/member/applytimes.py).
         self.apply_times = ApplyTimes()
-        self.broker.admin.local_member = member
+        self.broker.set_local_member(member)
         self.eventlog = EventLog(cluster.event_log, member, inherited.incarnation)
         self.checkpoints = Checkpointer(
             member, cluster.checkpoint_every, send, self.eventlog, self._vouches
@@ -275,7 +273,7 @@ class ClusterNode:
         self.replication = self._replication(config, cpg)
         replication = self.replication
         self.confirms = ConfirmGate(replication.number)
-        self.io = Node(
+        self.io = AmqpServer(
             config,
             member,
             sequencer=replication.sequencer,
@@ -287,7 +285,7 @@ class ClusterNode:
             member, replication.submit_admin, replication.number, settled=self._admin_settled
         )
         self.io.desk = self.desk
-        # The federation links this member runs (runtime/federation/federation.py).
+        # The federation links this member runs (runtime/federation/links.py).
         self.federation = FederationLinks(
             member,
             config.broker.server_id,
@@ -803,7 +801,7 @@ class ClusterNode:
     def _set_version(self, version: int) -> None:
         """This member's state runs model ``version`` from here on."""
         before = self.broker.version.current
-        self.broker.version.current = version
+        self.broker.version.adopt(version)
         self.membership.model_version = version
         if self.store is not None:
             # Before the events of the new version are journaled: a release that cannot
@@ -1008,7 +1006,7 @@ class ClusterNode:
         broker, epoch = self.kept
         self.kept = None
         self.broker = broker
-        broker.admin.local_member = self.member
+        broker.set_local_member(self.member)
         stale = sorted({codec.split_conn(c)[0] for c in broker.connections})
         log.warning(
             "resuming the state %s: epoch %s, event %s, closing the connections of %d former "
@@ -1064,7 +1062,7 @@ class ClusterNode:
         """The newcomer installs the state of its update point."""
         self.broker = broker
         self.membership.model_version = broker.version.current
-        broker.admin.local_member = self.member
+        broker.set_local_member(self.member)
         self.replication.installed(broker)
         if self.store is not None:
             # Whatever the store held (older, or as fresh as the resumed member's state) is
@@ -1076,7 +1074,7 @@ class ClusterNode:
     async def catch_up(self) -> None:
         """Replay what was delivered after the update point, then say we serve."""
         await self.newcomer.catch_up(self._replay)
-        self.broker.replication.catching_up = False
+        self.broker.replication.catch_up(False)
         self._act([SendHello(STATUS_READY)])
 
     # ------------------------------------------------------------------ error-check rounds

@@ -1,5 +1,5 @@
 """How a member's events become CPG messages: its clients' events (the sequencer its
-:class:`~cpgbroker.runtime.amqp.server.Node` is given), its control messages and its progress
+:class:`~cpgbroker.runtime.amqp.server.AmqpServer` is given), its control messages and its progress
 reports.
 
 * A local client's connect, bytes, disconnect and do-output grants are encoded

@@ -14,8 +14,7 @@ from typing import Any
 
 from cpgbroker.cluster.codec import STATUS_NAMES
 from cpgbroker.cluster.membership import NEEDS_UPDATE
-from cpgbroker.model.broker import Broker
-from cpgbroker.model.config import BrokerConfig
+from cpgbroker.model import Broker, BrokerConfig
 from cpgbroker.runtime.amqp.server import model_status
 from cpgbroker.runtime.member.member import ClusterNode
 

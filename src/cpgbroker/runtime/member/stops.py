@@ -22,8 +22,7 @@ import trio
 from cpgbroker.cluster import codec
 from cpgbroker.cluster.codec import StopRequest
 from cpgbroker.errors import ClusterError
-from cpgbroker.model import snapshot
-from cpgbroker.model.broker import Broker
+from cpgbroker.model import Broker, snapshot
 from cpgbroker.runtime.member.eventlog import EventLog
 from cpgbroker.runtime.member.multicast import Multicaster
 

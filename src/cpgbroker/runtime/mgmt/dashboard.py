@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from importlib import resources
 
-from cpgbroker.runtime.mgmt.httpserve import Response
+from cpgbroker.runtime.mgmt.http11 import Response
 
 PREFIX = "/dashboard"
 # The files there is, and what they are.

@@ -28,7 +28,7 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector
 
-from cpgbroker.runtime.mgmt.mgmt_json import ClusterView
+from cpgbroker.runtime.mgmt.views import ClusterView
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

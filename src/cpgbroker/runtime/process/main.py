@@ -16,7 +16,7 @@ import trio
 from cpgbroker.model.events import (
     Tick,
 )
-from cpgbroker.runtime.amqp.server import Node, open_listeners, wait_for_signal
+from cpgbroker.runtime.amqp.server import AmqpServer, open_listeners, wait_for_signal
 from cpgbroker.runtime.config.settings import ServerConfig
 from cpgbroker.runtime.process import sdnotify
 
@@ -27,12 +27,12 @@ async def serve(
     config: ServerConfig,
     *,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
-    node_factory: Callable[[ServerConfig], Node] | None = None,
+    node_factory: Callable[[ServerConfig], AmqpServer] | None = None,
     notifier: sdnotify.Notifier | None = None,
 ) -> None:
     """Serve until cancelled or signalled; reports the bound (host, port) pairs via
     ``task_status`` (port 0 in the config picks a free port)."""
-    node = (node_factory or Node)(config)
+    node = (node_factory or AmqpServer)(config)
     listeners, bound = await open_listeners(config)
     node.now_ms()
     await node.submit(Tick(node.now_ms()))
@@ -46,14 +46,14 @@ async def serve(
 
         nursery.start_soon(run_listeners)
         if config.admin_listen:
-            from cpgbroker.runtime.admin import admin
+            from cpgbroker.runtime.admin import endpoint
 
             standalone = node.standalone
             desk = node.desk
             await nursery.start(
                 functools.partial(
-                    admin.serve_admin,
-                    ssl_context=admin.admin_ssl_context(config),
+                    endpoint.serve_admin,
+                    ssl_context=endpoint.admin_ssl_context(config),
                     # The management API and /metrics read the model between events.
                     replica=lambda: None if standalone is None else standalone.broker,
                     users=config.broker.users,
@@ -63,7 +63,7 @@ async def serve(
                 config.admin_listen,
                 node.status,
                 None,
-                admin.load_secret(config),
+                endpoint.load_secret(config),
             )
         task_status.started(bound)
         notifier = notifier or sdnotify.Notifier(None)

@@ -22,10 +22,8 @@ from cpgbroker.cluster.membership import member_id
 from cpgbroker.corosync import cmap
 from cpgbroker.corosync.cpg import tune_malloc
 from cpgbroker.errors import ClusterError, CpgError
-from cpgbroker.model.admin import RAISE_MODEL_VERSION
-from cpgbroker.model.broker import Broker
-from cpgbroker.model.versions import NEWEST
-from cpgbroker.runtime.admin import admin
+from cpgbroker.model import NEWEST, RAISE_MODEL_VERSION, Broker
+from cpgbroker.runtime.admin import endpoint
 from cpgbroker.runtime.amqp.localbroker import LocalBroker
 from cpgbroker.runtime.amqp.server import (
     CLOSE_LINGER,
@@ -47,7 +45,7 @@ from cpgbroker.runtime.member.member import (
 )
 from cpgbroker.runtime.member.quorum_trio import TrioQuorum, open_quorum
 from cpgbroker.runtime.member.status import MemberStatus
-from cpgbroker.runtime.member.storage import StoreLink
+from cpgbroker.runtime.member.storelink import StoreLink
 from cpgbroker.runtime.process import sdnotify
 from cpgbroker.runtime.update.giving import close_released
 
@@ -193,7 +191,7 @@ class MemberProcess:
     async def admin_command(
         self, user: str, op: str, args: dict[str, Any], timeout: float
     ) -> tuple[int, Any]:
-        """An operator's change (runtime/mgmt/mgmt_write.py), through the serving incarnation."""
+        """An operator's change (runtime/mgmt/writes.py), through the serving incarnation."""
         node, member = self.node, self.member
         if node is None or member is None or not member.serving or member.halted is not None:
             return 503, {
@@ -214,20 +212,20 @@ class MemberProcess:
             return 409, {"error": f"this member does not serve ({self.phase}): ask another"}
         try:
             if path == "/stop":
-                target = admin.json_int(args, "member", 0)
+                target = endpoint.json_int(args, "member", 0)
                 seq = await node.request_stop(target)
                 return 202, {"stopping": target if target else "cluster", "at_seq": seq}
             if path == "/upgrade-finish":
-                version = admin.json_int(args, "version", NEWEST)
+                version = endpoint.json_int(args, "version", NEWEST)
                 return await self.admin_command(
-                    "operator", RAISE_MODEL_VERSION, {"version": version}, admin.REQUEST_TIMEOUT
+                    "operator", RAISE_MODEL_VERSION, {"version": version}, endpoint.REQUEST_TIMEOUT
                 )
             if path == "/faults":
                 if not self.cluster.fault_injection:
                     return 403, {"error": "fault injection is off ([cluster] fault_injection)"}
                 return 200, node.inject_fault(
                     str(args.get("kind")),
-                    admin.json_int(args, "at_seq", member.event_seq + 1),
+                    endpoint.json_int(args, "at_seq", member.event_seq + 1),
                     float(args.get("seconds", 0.0)),
                 )
         except (ClusterError, ValueError, TypeError) as e:
@@ -317,8 +315,8 @@ class MemberProcess:
                 # Before readiness: ``status`` shows a joining member's quorum and progress.
                 await outer.start(
                     functools.partial(
-                        admin.serve_admin,
-                        ssl_context=admin.admin_ssl_context(config),
+                        endpoint.serve_admin,
+                        ssl_context=endpoint.admin_ssl_context(config),
                         replica=self.replica,
                         users=config.broker.users,
                         cluster_name=config.broker.cluster_name,
@@ -327,7 +325,7 @@ class MemberProcess:
                     config.admin_listen,
                     self.status,
                     self.control,
-                    admin.load_secret(config),
+                    endpoint.load_secret(config),
                 )
             if cluster.watchdog_timeout > 0:
                 self.watchdog = watchdog.spawn(cluster.watchdog_timeout)

@@ -20,23 +20,19 @@ those once they exist: the one cycle that construction cannot break.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from cpgbroker.cluster.membership import Membership
-from cpgbroker.model.admin import RAISE_MODEL_VERSION
-from cpgbroker.model.broker import Broker
+from cpgbroker.model import RAISE_MODEL_VERSION, Broker
 from cpgbroker.model.events import AdminCommand, Event
 from cpgbroker.runtime.admin.admindesk import AdminDesk
 from cpgbroker.runtime.amqp.confirms import ConfirmGate
-from cpgbroker.runtime.amqp.server import Node, Sequencer
+from cpgbroker.runtime.amqp.server import AmqpServer, Sequencer
 from cpgbroker.runtime.replication.shipping import Shipping
 from cpgbroker.runtime.replication.standby import HotStandby
 from cpgbroker.runtime.update.giving import Updater
-
-log = logging.getLogger("cpgbroker.replication")
 
 Task = Callable[[], Awaitable[None]]
 
@@ -82,7 +78,7 @@ class Replication(Protocol):
 
     def attach(
         self,
-        io: Node,
+        io: AmqpServer,
         confirms: ConfirmGate,
         desk: AdminDesk,
         *,
@@ -139,7 +135,7 @@ class ReplayingBytes:
 
     def attach(
         self,
-        io: Node,
+        io: AmqpServer,
         confirms: ConfirmGate,
         desk: AdminDesk,
         *,
@@ -224,14 +220,14 @@ class ShippingChanges:
         # The membership's verdict on an operator's ``upgrade-finish`` (the member's).
         self._verdict = verdict
         self._netns = netns
-        self._io: Node | None = None
+        self._io: AmqpServer | None = None
         self._confirms: ConfirmGate | None = None
         self._heartbeat: Callable[[], None] = lambda: None
         self._lapsed: Callable[[float], None] = lambda length: None
 
     def attach(
         self,
-        io: Node,
+        io: AmqpServer,
         confirms: ConfirmGate,
         desk: AdminDesk,
         *,
@@ -334,12 +330,12 @@ class ShippingChanges:
         """A replica sends each queue from its back and leaves out what consumers take
         meanwhile (runtime/update/transfer.py)."""
         updater.fork(request, members, stream, True)
-        stream.replication.released = []
+        stream.replication.track_released(True)
 
     def installed(self, stream: Broker) -> None:
         """The update left out what was consumed while it was sent: the replay finds records
         for messages it does not have (model/replica.py)."""
-        stream.replication.catching_up = True
+        stream.replication.catch_up(True)
 
     def status(self) -> dict[str, Any]:
         shipping = self.shipping

@@ -80,14 +80,11 @@ from typing import Any
 import trio
 
 from cpgbroker.cluster.membership import Membership
-from cpgbroker.model import snapshot
-from cpgbroker.model.broker import Broker
-from cpgbroker.model.changes import ChangeLog
+from cpgbroker.model import Broker, ChangeLog, Shipper, promote, snapshot
 from cpgbroker.model.events import Changes, ClusterMembers, Event, Recovered, Tick
-from cpgbroker.model.shipping import Shipper, promote
 from cpgbroker.runtime.admin.admindesk import AdminDesk
 from cpgbroker.runtime.amqp.confirms import ConfirmGate
-from cpgbroker.runtime.amqp.server import Node
+from cpgbroker.runtime.amqp.server import AmqpServer
 from cpgbroker.runtime.replication.standby import primary_of
 from cpgbroker.runtime.update.giving import Updater
 
@@ -130,7 +127,7 @@ class Shipping:
         self._due = trio.Event()
         self._queued_bytes = queued_bytes
         # The clients' side whose effects the serving broker's are (:meth:`attach`).
-        self.io: Node | None = None
+        self.io: AmqpServer | None = None
         # The serving broker, while this member is primary.
         self.broker: Broker | None = None
         self._shipper = Shipper()
@@ -161,7 +158,7 @@ class Shipping:
 
     def attach(
         self,
-        io: Node,
+        io: AmqpServer,
         confirms: ConfirmGate | None = None,
         desk: AdminDesk | None = None,
         *,
@@ -339,7 +336,7 @@ class Shipping:
                 updater.feed(released)
                 released.clear()
             if not updater.feeding:
-                replica.replication.released = None
+                replica.replication.track_released(False)
 
     def delivered_back(self, seq: int) -> None:
         """One of our batches was applied here as stream event ``seq``."""
@@ -379,7 +376,7 @@ class Shipping:
                 take = takes.popleft()[1]
             b = self.broker
             if b is not None and b.changes is not None and self._lost is None:
-                b.changes.stable_take = take
+                b.changes.stable_to(take)
         if self._lost is not None:
             return min(applied, self._lost - 1), min(self.stable, self._lost - 1)
         return applied, self.stable
@@ -389,7 +386,7 @@ class Shipping:
     def promote(self, replica: Broker, now_ms: int) -> None:
         """Become primary: serve a copy of ``replica`` (module docstring)."""
         b = snapshot.restore(snapshot.parts(replica, share=True), replica.config)
-        b.admin.local_member = self.member
+        b.set_local_member(self.member)
         b.record_changes(ChangeLog(self.replicate))
         promote(b, self.replicate)
         self._shipper = Shipper()

@@ -46,8 +46,7 @@ from pamqp import frame as pframe
 from cpgbroker.cluster.codec import STATUS_READY
 from cpgbroker.cluster.membership import MemberInfo, Membership
 from cpgbroker.errors import ReplyCode
-from cpgbroker.model.config import BrokerConfig
-from cpgbroker.model.connection import MECHANISMS, server_properties
+from cpgbroker.model import MECHANISMS, BrokerConfig, server_properties
 
 log = logging.getLogger("cpgbroker.standby")
 

@@ -21,7 +21,7 @@ import attrs
 
 from cpgbroker.cluster.codec import STATUS_READY, UpdateRequest
 from cpgbroker.cluster.membership import READY, Membership
-from cpgbroker.model.broker import Broker
+from cpgbroker.model import Broker
 from cpgbroker.runtime.update import transfer as update
 
 log = logging.getLogger("cpgbroker.member")

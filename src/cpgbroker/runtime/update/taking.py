@@ -32,9 +32,7 @@ from cpgbroker.cluster import codec
 from cpgbroker.cluster.codec import UpdateRequest
 from cpgbroker.cluster.membership import Membership
 from cpgbroker.errors import ClusterError
-from cpgbroker.model import snapshot
-from cpgbroker.model.broker import Broker
-from cpgbroker.model.config import BrokerConfig
+from cpgbroker.model import Broker, BrokerConfig, snapshot
 from cpgbroker.runtime.update import transfer as update
 
 log = logging.getLogger("cpgbroker.member")

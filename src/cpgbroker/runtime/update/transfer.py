@@ -43,8 +43,7 @@ from typing import Any
 import trio
 
 from cpgbroker.errors import ClusterError, InvariantError
-from cpgbroker.model import snapshot
-from cpgbroker.model.broker import Broker
+from cpgbroker.model import Broker, snapshot
 from cpgbroker.runtime.config.settings import parse_listen
 
 log = logging.getLogger("cpgbroker.update")

@@ -12,7 +12,7 @@ each a pure function of what it is given:
   (``rabbit_web_dispatch_access_control``): any of ``administrator``, ``monitoring``,
   ``policymaker``, ``management`` may log in; monitoring (and administrator) see every vhost,
   connection and node; users, permissions and ``/metrics`` need what RabbitMQ asks for them.
-* the ``*_json`` functions (runtime/mgmt/mgmt_json.py) turn model entities into RabbitMQ 3.10's
+* the ``*_json`` functions (runtime/mgmt/views.py) turn model entities into RabbitMQ 3.10's
   JSON objects, leaving out the fields we cannot know (rates, Erlang process details,
   wall-clock times) rather than inventing them;
 * :class:`ManagementApi` routes a method and path to them and shapes the answer (200 with
@@ -34,13 +34,9 @@ from typing import Any
 
 import attrs
 
-from cpgbroker.model import auth
+from cpgbroker.model import NEWEST, OLDEST, UPSTREAM, VERSION_CHANGES, User, VHost, auth
 from cpgbroker.model import entities as E
-from cpgbroker.model.config import User
-from cpgbroker.model.federation import UPSTREAM
-from cpgbroker.model.topology import VHost
-from cpgbroker.model.versions import NEWEST, OLDEST, VERSION_CHANGES
-from cpgbroker.runtime.mgmt.mgmt_json import (
+from cpgbroker.runtime.mgmt.views import (
     ADMIN_TAGS,
     MGMT_TAGS,
     MONITOR_TAGS,
@@ -544,7 +540,7 @@ class ManagementApi:
     def _cluster_name(self, rest: list[str], view: ClusterView, identity: Identity) -> Answer:
         if rest:
             return _not_found()
-        # The configuration's: PUT is refused (runtime/mgmt/mgmt_write.py).
+        # The configuration's: PUT is refused (runtime/mgmt/writes.py).
         return Answer(200, {"name": view.cluster})
 
     def _healthchecks_node(self, rest: list[str], view: ClusterView, identity: Identity) -> Answer:

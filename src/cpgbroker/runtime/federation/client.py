@@ -1,7 +1,7 @@
 """An AMQP 0-9-1 client on trio: how a member reaches another cluster's members (federation).
 
 Theory of operation. Two parts, split as h11 splits them (the first in
-runtime/federation/amqpproto.py):
+runtime/federation/protocol.py):
 
 * :class:`ClientProtocol` is one connection's state without I/O. Fed the bytes that arrived
   (:meth:`~ClientProtocol.receive_data`), it cuts frames with the broker's own framer (which
@@ -43,7 +43,7 @@ import trio
 from pamqp import base, commands
 
 from cpgbroker.errors import ReplyCode
-from cpgbroker.runtime.federation.amqpproto import (
+from cpgbroker.runtime.federation.protocol import (
     CLIENT_CAPABILITIES,
     CLOSE_TIMEOUT,
     OUTPUT_HIGH_WATER,

@@ -11,7 +11,7 @@ the new owner starts the link and the old one, if still there, stops it. A link 
 seed design's exchange federation agent (and RabbitMQ's federation plugin):
 
 1. it connects to the upstream cluster as an ordinary AMQP client
-   (runtime/federation/amqpclient.py), trying its URLs in turn, and refuses to run when the
+   (runtime/federation/client.py), trying its URLs in turn, and refuses to run when the
    upstream calls itself by this cluster's server id (the upstream refuses it too,
    model/connection.py);
 2. it declares the upstream exchange (same type) and a queue there, ``federation: <exchange>
@@ -68,15 +68,19 @@ from pamqp import commands
 from pamqp import header as pheader
 
 from cpgbroker.errors import CpgBrokerError
-from cpgbroker.model.broker import Broker
+from cpgbroker.model import (
+    EXACT_FIELD_TABLES,
+    PEER_EXCHANGE,
+    RECEIVED_FROM,
+    SERVER_ID_PROPERTY,
+    TRUSTED,
+    Broker,
+    Link,
+)
 from cpgbroker.model.events import Forward
-from cpgbroker.model.federation import RECEIVED_FROM, SERVER_ID_PROPERTY, Link
-from cpgbroker.model.permissions import TRUSTED
-from cpgbroker.model.topology import PEER_EXCHANGE
-from cpgbroker.model.versions import EXACT_FIELD_TABLES
 from cpgbroker.runtime.admin.admindesk import AdminDesk, Pending
 from cpgbroker.runtime.config.tls import TlsConfig
-from cpgbroker.runtime.federation.amqpclient import (
+from cpgbroker.runtime.federation.client import (
     AmqpClient,
     AmqpClientError,
     ChannelClosed,

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import trio
 
 from cpgbroker.errors import ClusterError
-from cpgbroker.model.config import BrokerConfig
+from cpgbroker.model import BrokerConfig
 from cpgbroker.model.events import DiskAlarm
 from cpgbroker.runtime.update import transfer as update
 from cpgbroker.store.disk import StoreCorrupt

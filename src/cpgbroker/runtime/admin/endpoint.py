@@ -1,5 +1,5 @@
 """The admin endpoint (``[server] admin``): a member's HTTP interface for operators and their
-tools, served over h11 (runtime/mgmt/httpserve.py) with keep-alive.
+tools, served over h11 (runtime/mgmt/http11.py) with keep-alive.
 
 * ``GET /status[?digest=1]`` -> JSON for ``cpgbroker status`` (membership, connection counts,
   queue depths, the event sequence, the last digest checkpoint, quorum, error-check rounds),
@@ -9,7 +9,7 @@ tools, served over h11 (runtime/mgmt/httpserve.py) with keep-alive.
   ``Authorization: Bearer <admin secret>`` (runtime/admin/secret.py: generated at first start,
   0600, read by the CLI; or ``[server] admin_token``). Without it the answer is 401, with a
   wrong one 403, and the refusal is logged with the peer's address, never with what it sent.
-* ``GET /api/...``: RabbitMQ's management HTTP API, the read side (runtime/mgmt/mgmt_api.py), and
+* ``GET /api/...``: RabbitMQ's management HTTP API, the read side (runtime/mgmt/reads.py), and
   ``GET /metrics`` in Prometheus' text format (runtime/mgmt/metrics.py). As RabbitMQ's, they take
   HTTP Basic logins of broker users with a management tag, and the admin secret as a Bearer
   token too (operators' tools). Refusals are logged with the user and the peer, never the
@@ -31,12 +31,11 @@ from typing import Any
 
 import trio
 
-from cpgbroker.model.broker import Broker
-from cpgbroker.model.config import User
+from cpgbroker.model import Broker, User
 from cpgbroker.runtime.admin import secret as admin_secret
 from cpgbroker.runtime.config.settings import ServerConfig, parse_listen
-from cpgbroker.runtime.mgmt import dashboard, metrics, mgmt_api, mgmt_json, mgmt_write
-from cpgbroker.runtime.mgmt.httpserve import Request, Response, serve_connection
+from cpgbroker.runtime.mgmt import dashboard, metrics, reads, views, writes
+from cpgbroker.runtime.mgmt.http11 import Request, Response, serve_connection
 
 log = logging.getLogger("cpgbroker.admin")
 
@@ -110,7 +109,7 @@ def _loopback(peer: str) -> bool:
 
 
 class AdminRoutes:
-    """What the endpoint answers, request by request (the HTTP layer is httpserve's).
+    """What the endpoint answers, request by request (the HTTP layer is http11's).
 
     ``replica`` gives the member's model (None while it has none to show): with it, the
     endpoint also serves ``/api`` and ``/metrics``; ``users`` are who may log in there (the
@@ -135,12 +134,12 @@ class AdminRoutes:
         # The configuration's (the same on every member), known before any replica is.
         self.cluster_name = cluster_name
         self.host = socket.gethostname()
-        self.api = mgmt_api.ManagementApi()
+        self.api = reads.ManagementApi()
         self.registry = metrics.registry_for(self.view)
 
-    def view(self) -> mgmt_json.ClusterView:
+    def view(self) -> views.ClusterView:
         broker = None if self.replica is None else self.replica()
-        return mgmt_json.cluster_view(self.status(False), broker, self.host, self.cluster_name)
+        return views.cluster_view(self.status(False), broker, self.host, self.cluster_name)
 
     def _refused(self, req: Request, status: int, user: str = "", why: str = "") -> None:
         extra = f" user={user!r} reason={why!r}" if user or why else ""
@@ -160,7 +159,7 @@ class AdminRoutes:
             # asks /api below with the user's login.
             return page
         if self.replica is not None and (
-            req.path == "/metrics" or mgmt_api.split_path(req.path) is not None
+            req.path == "/metrics" or reads.split_path(req.path) is not None
         ):
             return await self._management(req)
         refused = refusal(self.secret, req.headers.get("authorization", ""))
@@ -189,23 +188,23 @@ class AdminRoutes:
         return _json(404, {"error": "GET /status, or POST /stop on a member"})
 
     async def _management(self, req: Request) -> Response:
-        parts = mgmt_api.split_path(req.path)
+        parts = reads.split_path(req.path)
         view = self.view()
         # Who may log in is the replica's (users are replicated state); before this member
         # has one, the configuration's.
         users = tuple(view.broker.users.by_name.values()) if view.broker is not None else self.users
         writing = req.method not in ("GET", "HEAD")
         need = (
-            mgmt_json.MONITOR_TAGS
+            views.MONITOR_TAGS
             if parts is None
-            else mgmt_json.MGMT_TAGS
+            else views.MGMT_TAGS
             if writing
-            else mgmt_api.needed_tags(parts)
+            else reads.needed_tags(parts)
         )
-        who = mgmt_api.authenticate(
+        who = reads.authenticate(
             req.headers.get("authorization", ""), users, self.secret, _loopback(req.peer), need
         )
-        if isinstance(who, mgmt_api.Refusal):
+        if isinstance(who, reads.Refusal):
             self._refused(req, who.status, who.user, who.why)
             return _json(who.status, who.body, who.headers)
         if parts is None:
@@ -216,16 +215,16 @@ class AdminRoutes:
         return _json(answer.status, answer.body)
 
     async def _write(
-        self, req: Request, parts: list[str], view: mgmt_json.ClusterView, who: mgmt_json.Identity
+        self, req: Request, parts: list[str], view: views.ClusterView, who: views.Identity
     ) -> Response:
-        """A change: checked and shaped by mgmt_write, applied by every member in the event
+        """A change: checked and shaped by mgmt.writes, applied by every member in the event
         order, answered once it is as safe as a durable confirm (runtime/admin/admindesk.py)."""
         if self.command is None or view.broker is None:
             return _json(503, {"error": "unavailable", "reason": "this member does not serve"})
-        wanted = mgmt_write.command_for(
+        wanted = writes.command_for(
             req.method, parts, req.body or b"", req.query, req.headers, who, view
         )
-        if isinstance(wanted, mgmt_api.Answer):
+        if isinstance(wanted, reads.Answer):
             if wanted.status in (401, 403):
                 reason = wanted.body.get("reason", "") if isinstance(wanted.body, dict) else ""
                 self._refused(req, wanted.status, who.name, reason)
@@ -233,7 +232,7 @@ class AdminRoutes:
         commands = wanted if isinstance(wanted, list) else [wanted]
         if commands and commands[0].op == "import_definitions":
             # (The body parsed as a JSON object already, or there would be no commands.)
-            skipped = mgmt_write.not_imported(json.loads(req.body or b"{}"))
+            skipped = writes.not_imported(json.loads(req.body or b"{}"))
             if skipped:
                 log.warning(
                     "definitions import leaves out what cpgbroker does not have: %s",
@@ -251,14 +250,14 @@ class AdminRoutes:
             if status >= 300:
                 self._refused_change(req, who, cmd, status, body)
                 break
-        shaped = mgmt_write.response_for(commands[-1], status, body)
+        shaped = writes.response_for(commands[-1], status, body)
         return Response(shaped.status, shaped.body, headers=shaped.headers)
 
     def _refused_change(
         self,
         req: Request,
-        who: mgmt_json.Identity,
-        cmd: mgmt_write.Command,
+        who: views.Identity,
+        cmd: writes.Command,
         status: int,
         body: Any,
     ) -> None:

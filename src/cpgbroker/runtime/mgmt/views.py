@@ -1,5 +1,5 @@
-"""RabbitMQ 3.10's JSON shapes for the management API (runtime/mgmt/mgmt_api.py reads them out,
-runtime/mgmt/mgmt_write.py and runtime/mgmt/metrics.py share them): who asks (:class:`Identity`),
+"""RabbitMQ 3.10's JSON shapes for the management API (runtime/mgmt/reads.py reads them out,
+runtime/mgmt/writes.py and runtime/mgmt/metrics.py share them): who asks (:class:`Identity`),
 the cluster as this member sees it (:class:`ClusterView`), and one ``*_json`` function per kind of
 object, each a pure function of the model's entities that leaves out the fields we cannot know
 (rates, Erlang process details, wall-clock times) rather than inventing them.
@@ -15,15 +15,20 @@ from typing import Any
 
 import attrs
 
+from cpgbroker.model import (
+    UPSTREAM,
+    Broker,
+    Exchange,
+    Policies,
+    Policy,
+    Upstream,
+    User,
+    VHost,
+    json_value,
+    properties_key,
+)
 from cpgbroker.model import entities as E
-from cpgbroker.model.adminargs import json_value, properties_key
-from cpgbroker.model.broker import Broker
-from cpgbroker.model.config import Policy, User
-from cpgbroker.model.exchange import Exchange
-from cpgbroker.model.federation import UPSTREAM, Upstream
-from cpgbroker.model.policies import Policies
-from cpgbroker.model.topology import VHost
-from cpgbroker.model.users import hashed
+from cpgbroker.model import hashed_user as hashed
 
 # RabbitMQ's tag sets (rabbit_web_dispatch_access_control: is_mgmt_user, is_monitor, is_admin).
 MGMT_TAGS = ("administrator", "monitoring", "policymaker", "management")

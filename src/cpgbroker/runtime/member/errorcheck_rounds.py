@@ -1,5 +1,5 @@
 """This member's error-check rounds, executed (docs/architecture.md, "Error-check rounds"):
-the runtime side of :mod:`cpgbroker.cluster.stall` (pure), which decides.
+the runtime side of :mod:`cpgbroker.cluster.errorcheck_stall` (pure), which decides.
 
 Theory of operation
 -------------------
@@ -17,9 +17,9 @@ Theory of operation
 The coordinator checks ``stall.stalled`` itself on its hot path (one attribute load) and
 keeps events there with ``stall.hold``.
 
-Owns: the :class:`~cpgbroker.cluster.stall.Stall`. Never applies events or touches clients or
-the model: what that takes is given as callables (``fail_event``, ``recorded``, ``replay``,
-``resync``).
+Owns: the :class:`~cpgbroker.cluster.errorcheck_stall.Stall`. Never applies events or touches
+clients or the model: what that takes is given as callables (``fail_event``, ``recorded``,
+``replay``, ``resync``).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import Any
 
 from cpgbroker.cluster import codec
 from cpgbroker.cluster.codec import ErrorCheck
-from cpgbroker.cluster.errorcheck import Round
+from cpgbroker.cluster.errorcheck_stall import Answer, Leave, Proceed, Resync, Stall
+from cpgbroker.cluster.errorcheck_vote import Round
 from cpgbroker.cluster.membership import Membership
-from cpgbroker.cluster.stall import Answer, Leave, Proceed, Resync, Stall
 from cpgbroker.errors import ClusterError
 from cpgbroker.runtime.member.eventlog import EventLog
 from cpgbroker.runtime.member.stops import Stops
@@ -79,7 +79,7 @@ class ErrorChecks:
 
     def local_error(self, seq: int, outcome: str, detail: str, e: Any, sender: int) -> None:
         """This member failed to apply (or record) event ``seq`` and the stream does not say
-        why: stop applying here and let the cluster decide (cluster/errorcheck.py).
+        why: stop applying here and let the cluster decide (cluster/errorcheck_vote.py).
 
         ``outcome`` is what members vote on: the kind and the exception class or errno name,
         never the message (which may hold addresses or paths that differ between members

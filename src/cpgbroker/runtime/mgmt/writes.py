@@ -24,12 +24,10 @@ from typing import Any
 
 import attrs
 
-from cpgbroker.model import auth
+from cpgbroker.model import RAISE_MODEL_VERSION, TRUSTED, auth
 from cpgbroker.model import entities as E
-from cpgbroker.model.admin import RAISE_MODEL_VERSION
-from cpgbroker.model.permissions import TRUSTED
-from cpgbroker.runtime.mgmt.mgmt_api import SECRET_HOLDER, Answer, flag_version
-from cpgbroker.runtime.mgmt.mgmt_json import ADMIN_TAGS, ClusterView, Identity, connection_name
+from cpgbroker.runtime.mgmt.reads import SECRET_HOLDER, Answer, flag_version
+from cpgbroker.runtime.mgmt.views import ADMIN_TAGS, ClusterView, Identity, connection_name
 
 POLICY_TAGS = ("administrator", "policymaker")
 # Why ``PUT /api/cluster-name`` is refused.
@@ -49,7 +47,7 @@ class Command:
 
     op: str
     args: dict[str, Any]
-    # Who the model acts as: the user's name, or permissions.TRUSTED for the secret holder.
+    # Who the model acts as: the user's name, or TRUSTED for the secret holder.
     user: str
 
 

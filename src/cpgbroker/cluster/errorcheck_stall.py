@@ -1,6 +1,7 @@
 """One member's side of error-check rounds (pure): holding at a failed event, answering the
 others' rounds, and what to do once a round is decided. The vote itself is
-:mod:`cpgbroker.cluster.errorcheck`; docs/architecture.md, "Error-check rounds", tells the story.
+:mod:`cpgbroker.cluster.errorcheck_vote`; docs/architecture.md, "Error-check rounds", tells
+the story.
 
 Theory of operation
 -------------------
@@ -18,7 +19,7 @@ Theory of operation
 
 Owns: the stalled event and the events kept behind it, the answers given and owed for open
 rounds, the open rounds and the last decided ones (for status), all bounded by the open
-rounds plus the window of :data:`~cpgbroker.cluster.errorcheck.ROUNDS_KEPT` decided ones.
+rounds plus the window of :data:`~cpgbroker.cluster.errorcheck_vote.ROUNDS_KEPT` decided ones.
 Never applies events, writes logs or sends: it returns actions, and the runtime executes
 them.
 """
@@ -32,7 +33,7 @@ from typing import Any
 import attrs
 
 from cpgbroker.cluster.codec import OK, ErrorCheck
-from cpgbroker.cluster.errorcheck import ErrorRounds, Round
+from cpgbroker.cluster.errorcheck_vote import ErrorRounds, Round
 
 # Decided rounds ``cpgbroker status`` shows (the newest; at most ROUNDS_KEPT are kept).
 ROUNDS_SHOWN = 20

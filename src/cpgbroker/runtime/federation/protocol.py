@@ -1,4 +1,4 @@
-"""The AMQP 0-9-1 client protocol without I/O (h11-style), under runtime/federation/amqpclient.py.
+"""The AMQP 0-9-1 client protocol without I/O (h11-style), under runtime/federation/client.py.
 
 :class:`ClientProtocol` is one connection's state. Fed the bytes that arrived
 (:meth:`~ClientProtocol.receive_data`), it cuts frames with the broker's own framer (which
@@ -264,7 +264,7 @@ class Delivery:
     properties: commands.Basic.Properties
     body: bytes
     # The content header's payload as it came (a federation link forwards it byte for byte
-    # from model version 8 on: runtime/federation/federation.py).
+    # from model version 8 on: runtime/federation/links.py).
     header: bytes = b""
 
 
