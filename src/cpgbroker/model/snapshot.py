@@ -101,7 +101,7 @@ NOT_REPLICATED = {
     "Topology": {"_expiry_heap", "_expiry_seq", "_changes"},
     # Derived from ``ttl_queues`` (``TtlQueues.rebuild`` on restore).
     "Queue": {"ttl_order", "ttl_due", "policy", "published_total", "delivered_total"},
-    "Connections": {"deadlines"},
+    "ConnectionProtocol": {"deadlines"},
     "QueueFlow": {"queues"},
     "Consumer": {"qseq"},
     # Derived (model/consumertimeout.py): the consumer-timeout heap and what leads a channel
