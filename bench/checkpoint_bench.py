@@ -19,9 +19,9 @@ import time
 from pamqp import body as pbody
 from pamqp import commands, frame, header
 
-from cpgbroker.model import snapshot
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.events import ClientConnected, ClientData
+from cpgbroker.model.state import snapshot
 from cpgbroker.runtime.update import transfer as update
 from cpgbroker.wire.framer import PROTOCOL_HEADER
 

@@ -15,7 +15,7 @@ timed alone with the collector off:
 * ``replay``: a broker applying the same log as a member to which the clients are shadows:
   what every other active-active member, and every hot-standby backup, spends today;
 * ``primary``: ``owner`` plus recording the changes and encoding one change batch per
-  ``--batch`` events (``model/changes.py``, ``model/replica.py``): a primary that ships
+  ``--batch`` events (``model/changes.py``, ``model/standby/replica.py``): a primary that ships
   changes;
 * ``replica``: a backup's replica applying those batches: what a backup spends with state
   shipping;

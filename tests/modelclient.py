@@ -669,7 +669,7 @@ class Fuzzer:
             self._reset()
 
     def check_replicas(self) -> None:
-        from cpgbroker.model import snapshot as S
+        from cpgbroker.model.state import snapshot as S
 
         a, b = (S.digest(r) for r in self.replicas)
         if a != b:

@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpgbroker.cluster import codec
-from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.events import (
     ClientConnected,
@@ -23,6 +22,7 @@ from cpgbroker.model.events import (
     Send,
     Tick,
 )
+from cpgbroker.model.state import snapshot as S
 from workload import generate
 
 MEMBERS = [101, 202, 303]

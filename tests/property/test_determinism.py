@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.events import ClientData, Send
+from cpgbroker.model.state import snapshot as S
 from workload import generate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,7 +83,7 @@ def test_chunking_of_client_bytes_does_not_matter(seed: int, chunk: int) -> None
 _CHILD = """
 import sys, json
 sys.path[:0] = [{tests!r}]
-from cpgbroker.model import snapshot as S
+from cpgbroker.model.state import snapshot as S
 from test_determinism_child import run
 print(json.dumps(run({path!r})))
 """

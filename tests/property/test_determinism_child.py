@@ -6,10 +6,10 @@ import hashlib
 from typing import Any
 
 from cpgbroker.model import events as EV
-from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.changes import ChangeLog
 from cpgbroker.model.shipping import Shipper
+from cpgbroker.model.state import snapshot as S
 
 __test__ = False
 

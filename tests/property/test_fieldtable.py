@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pamqp import decode as pdecode
 
-from cpgbroker.model.deadletter import dead_letter_header_exact, is_cycle_exact
 from cpgbroker.model.entities import Message
+from cpgbroker.model.routing.deadletter import dead_letter_header_exact, is_cycle_exact
 from cpgbroker.wire import fastpath as fp
 from cpgbroker.wire import fieldtable as ft
 from cpgbroker.wire.fieldtable import Field, Table, decode_table

@@ -17,13 +17,13 @@ from pamqp import commands as C
 from pamqp import decode, encode
 from pamqp import header as H
 
-from cpgbroker.model.deadletter import (
+from cpgbroker.model.entities import Message
+from cpgbroker.model.routing.deadletter import (
     dead_letter_header,
     dead_letter_header_exact,
     is_cycle,
     is_cycle_exact,
 )
-from cpgbroker.model.entities import Message
 from cpgbroker.wire.fastpath import parse_content_header, with_delivery_count
 from cpgbroker.wire.tables import MAX_TABLE_DEPTH, TableError, check_table
 from modelclient import Fuzzer, deep_table

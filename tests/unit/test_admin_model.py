@@ -1,6 +1,6 @@
-"""Operators' changes as ordered model events (model/admin.py): users, vhosts, permissions,
-policies, queues, exchanges, bindings and messages, checked through what AMQP clients then see,
-through snapshots and digests, and against malformed requests."""
+"""Operators' changes as ordered model events (model/operators/admin.py): users, vhosts,
+permissions, policies, queues, exchanges, bindings and messages, checked through what AMQP clients
+then see, through snapshots and digests, and against malformed requests."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ import pytest
 from pamqp import commands
 
 from cpgbroker.cluster import codec
-from cpgbroker.model import auth, snapshot
+from cpgbroker.model.access import auth
+from cpgbroker.model.access.permissions import TRUSTED
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.events import AdminCommand, AdminReply
-from cpgbroker.model.permissions import TRUSTED
+from cpgbroker.model.state import snapshot
 from cpgbroker.model.versions import NEWEST, OLDEST
 from cpgbroker.store import records
 from cpgbroker.wire import fastpath as fp

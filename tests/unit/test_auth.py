@@ -11,7 +11,7 @@ import pytest
 from pamqp import commands as C
 
 from cpgbroker.errors import ConfigError
-from cpgbroker.model import auth
+from cpgbroker.model.access import auth
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.config import BrokerConfig, User
 from cpgbroker.model.events import LoginRefused

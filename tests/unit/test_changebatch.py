@@ -1,5 +1,5 @@
-"""The change batch's layout (model/changebatch.py): what the encoder writes, the decoder reads
-back, record by record, for every kind of record and every flag; its bytes are pinned, since
+"""The change batch's layout (model/standby/changebatch.py): what the encoder writes, the decoder
+reads back, record by record, for every kind of record and every flag; its bytes are pinned, since
 a batch crosses to members running another build."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from cpgbroker.errors import InvariantError
-from cpgbroker.model import changebatch, snapshot
 from cpgbroker.model.changes import CREATED, DELETED, DELIVERED, ENQUEUED, RELEASED, REQUEUED
 from cpgbroker.model.entities import Message, Queue
+from cpgbroker.model.standby import changebatch
+from cpgbroker.model.state import snapshot
 
 
 class Collected:

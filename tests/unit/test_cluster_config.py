@@ -11,8 +11,8 @@ import pytest
 from cpgbroker.cluster.codec import STATUS_NEW, STATUS_READY, Hello
 from cpgbroker.cluster.membership import Fatal, Membership
 from cpgbroker.errors import ConfigError
+from cpgbroker.model.clients.connection import server_properties
 from cpgbroker.model.config import BrokerConfig
-from cpgbroker.model.connection import server_properties
 from cpgbroker.runtime.config.digest import config_digest
 from cpgbroker.runtime.config.settings import from_dict
 from cpgbroker.runtime.mgmt.views import cluster_view

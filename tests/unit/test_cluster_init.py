@@ -14,7 +14,7 @@ import pytest
 import trustme
 
 from cpgbroker.errors import ConfigError
-from cpgbroker.model import auth
+from cpgbroker.model.access import auth
 from cpgbroker.model.config import User
 from cpgbroker.runtime.config import settings
 from prereq import unavailable

@@ -14,10 +14,9 @@ from typing import Any
 import pytest
 from pamqp import commands as C
 
-from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker
-from cpgbroker.model.connection import ConnectionProtocol
-from cpgbroker.model.deadlines import next_due
+from cpgbroker.model.clients.connection import ConnectionProtocol
+from cpgbroker.model.clients.deadlines import next_due
 from cpgbroker.model.entities import CLOSING, OPEN
 from cpgbroker.model.events import (
     ClientConnected,
@@ -30,6 +29,7 @@ from cpgbroker.model.events import (
     Send,
     Tick,
 )
+from cpgbroker.model.state import snapshot as S
 from cpgbroker.wire.framer import HEARTBEAT_FRAME, PROTOCOL_HEADER
 from modelclient import Client, Harness
 

@@ -15,12 +15,12 @@ import pytest
 from pamqp import commands as C
 from pamqp import frame
 
-from cpgbroker.model import consumers as consumers_module
-from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker
-from cpgbroker.model.consumers import Consumers
 from cpgbroker.model.entities import Consumer, Queue, detach_unacked
 from cpgbroker.model.events import ClientDisconnected, Event
+from cpgbroker.model.messages import consumers as consumers_module
+from cpgbroker.model.messages.consumers import Consumers
+from cpgbroker.model.state import snapshot as S
 from modelclient import Client, Harness
 
 

@@ -1,4 +1,4 @@
-"""Consumer timeouts (model/consumertimeout.py, model version 8): a channel whose oldest
+"""Consumer timeouts (model/messages/consumertimeout.py, model version 8): a channel whose oldest
 delivery to acknowledge waited longer than its queue's timeout is closed with RabbitMQ's 406
 and text at the first tick past it, and what it held goes back to its queues, redelivered, on
 every replica at the same event; at model version 7 nothing of it happens and nothing of it is
@@ -20,20 +20,20 @@ from pamqp import commands as C
 from test_replica import Replica, assert_promotes_to
 
 from cpgbroker.errors import ChannelError, ReplyCode
-from cpgbroker.model import snapshot as S
-from cpgbroker.model.admin import RAISE_MODEL_VERSION
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.changes import ChangeLog
 from cpgbroker.model.config import BrokerConfig
-from cpgbroker.model.consumertimeout import (
+from cpgbroker.model.entities import OPEN, Channel
+from cpgbroker.model.events import AdminCommand, ClientDisconnected, Event, Tick
+from cpgbroker.model.messages.consumertimeout import (
     ConsumerTimeouts,
     _close_order,
     _oldest,
     timeout_text,
 )
-from cpgbroker.model.entities import OPEN, Channel
-from cpgbroker.model.events import AdminCommand, ClientDisconnected, Event, Tick
+from cpgbroker.model.operators.admin import RAISE_MODEL_VERSION
 from cpgbroker.model.shipping import Shipper
+from cpgbroker.model.state import snapshot as S
 from cpgbroker.model.versions import NEWEST, OLDEST
 from modelclient import Client, Harness
 
@@ -455,7 +455,7 @@ def test_a_tick_visits_only_the_channels_that_may_be_due(monkeypatch: pytest.Mon
 _CHILD = """
 import hashlib, json, sys
 sys.path[:0] = [{tests!r}, {unit!r}]
-from cpgbroker.model import snapshot as S
+from cpgbroker.model.state import snapshot as S
 from test_consumer_timeout import _broker, _workload
 from cpgbroker.model.events import Send
 out = []

@@ -19,10 +19,10 @@ from pamqp import commands as C
 from pamqp import decode as pdecode
 from pamqp import header as H
 
-from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker
-from cpgbroker.model.deadletter import dead_letter_header, dead_letter_header_exact
 from cpgbroker.model.entities import Message
+from cpgbroker.model.routing.deadletter import dead_letter_header, dead_letter_header_exact
+from cpgbroker.model.state import snapshot as S
 from cpgbroker.wire import fastpath as fp
 from cpgbroker.wire.fieldtable import (
     ARRAY,

@@ -9,7 +9,7 @@ from typing import Any
 from pamqp import commands
 from pamqp import header as pheader
 
-from cpgbroker.model import snapshot
+from cpgbroker.model.state import snapshot
 from modelclient import Client, Harness
 
 REPLY = "amq.rabbitmq.reply-to"

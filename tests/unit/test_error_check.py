@@ -22,8 +22,8 @@ from pamqp import commands
 
 from cpgbroker.cluster.errorcheck_vote import ErrorRounds, Round, majority
 from cpgbroker.errors import ClusterError
-from cpgbroker.model import snapshot
 from cpgbroker.model.events import ClientData, Tick
+from cpgbroker.model.state import snapshot
 from cpgbroker.runtime.config.settings import ClusterConfig, ServerConfig
 from cpgbroker.runtime.member.member import ClusterNode, member_id
 from fakecpg import Bus, FakeCpg, FakeQuorum

@@ -11,11 +11,11 @@ import pytest
 from pamqp import commands as C
 
 from cpgbroker.cluster import codec
-from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker
+from cpgbroker.model.clients.connection import NO_CERT_USER
 from cpgbroker.model.config import BrokerConfig, User
-from cpgbroker.model.connection import NO_CERT_USER
 from cpgbroker.model.events import ClientConnected, LoginRefused
+from cpgbroker.model.state import snapshot as S
 from cpgbroker.store import records
 from modelclient import Client, Harness
 

@@ -1,5 +1,5 @@
-"""Federation's replicated side (model/federation.py, model/admin.py): upstreams as runtime
-parameters, links picked by policy, links' reported states, forwarded messages, a peer with
+"""Federation's replicated side (model/federation.py, model/operators/admin.py): upstreams as
+runtime parameters, links picked by policy, links' reported states, forwarded messages, a peer with
 this cluster's own server id refused; all through snapshots, the wire and the journal."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pamqp import header as pheader
 from test_admin_model import Ops
 
 from cpgbroker.cluster import codec
-from cpgbroker.model import snapshot
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.config import BrokerConfig
 from cpgbroker.model.events import AdminReply, Forward
+from cpgbroker.model.state import snapshot
 from cpgbroker.store import records
 from modelclient import Harness
 

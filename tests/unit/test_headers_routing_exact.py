@@ -1,6 +1,6 @@
 """Headers exchanges at model version 8 (``EXACT_FIELD_TABLES``): the message's headers are read
 with our codec (``wire/fieldtable.py``) and compared with a binding's arguments as RabbitMQ
-3.10.8's ``rabbit_exchange_type_headers`` compares them (``model/exchange.py``,
+3.10.8's ``rabbit_exchange_type_headers`` compares them (``model/routing/exchange.py``,
 ``headers_match_exact``). At model version 7 routing is what it was (pamqp's values, Python's
 ``==``).
 
@@ -25,7 +25,7 @@ from pamqp import decode as pdecode
 
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.entities import Message
-from cpgbroker.model.exchange import (
+from cpgbroker.model.routing.exchange import (
     Exchange,
     exact_spec,
     headers_match_exact,
@@ -468,7 +468,7 @@ def test_a_clients_binding_table_survives_snapshot_and_restore_at_version_8_only
     """The table a client bound with is replicated state at version 8 (snapshots, the store,
     hot standby's definitions): a restored replica routes alike. At version 7 nothing is kept,
     so snapshots stay release 0.1.0's."""
-    from cpgbroker.model import snapshot as Snap
+    from cpgbroker.model.state import snapshot as Snap
 
     args = T([("n", Field.table(T([("a", L(1))])))])
     for version in (7, 8):

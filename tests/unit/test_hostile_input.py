@@ -12,8 +12,8 @@ from pamqp import commands as C
 from pamqp import header
 from test_snapshot import assert_indistinguishable
 
-from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker
+from cpgbroker.model.state import snapshot as S
 from cpgbroker.wire.framer import frame
 from modelclient import Client, Harness
 

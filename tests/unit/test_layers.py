@@ -30,7 +30,7 @@ SRC = ROOT / "src" / "cpgbroker"
 PURE = [
     SRC / "errors.py",
     *sorted((SRC / "wire").glob("*.py")),
-    *sorted((SRC / "model").glob("*.py")),
+    *sorted((SRC / "model").rglob("*.py")),
     *sorted((SRC / "cluster").glob("*.py")),
     SRC / "corosync" / "events.py",
 ]
@@ -184,5 +184,7 @@ def test_pure_module_imports(path: Path) -> None:
 
 def test_the_rule_sees_every_pure_package() -> None:
     assert any(p.parent.name == "model" for p in PURE)
+    # ... and the model's rooms (model/routing/, model/messages/, ...).
+    assert any(p.parent.parent.name == "model" for p in PURE)
     assert any(p.parent.name == "wire" for p in PURE)
     assert any(p.parent.name == "cluster" for p in PURE)

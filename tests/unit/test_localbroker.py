@@ -14,7 +14,7 @@ from pamqp import commands as C
 
 import tlscerts
 from cpgbroker.errors import ConfigError
-from cpgbroker.model import auth
+from cpgbroker.model.access import auth
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.config import BrokerConfig, Permission, Policy, User
 from cpgbroker.runtime.amqp.localbroker import LocalBroker

@@ -6,7 +6,7 @@ from pamqp import header as H
 
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.config import BrokerConfig
-from cpgbroker.model.exchange import headers_match, topic_match
+from cpgbroker.model.routing.exchange import headers_match, topic_match
 from modelclient import Client, Harness, bodies
 
 

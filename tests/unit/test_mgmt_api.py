@@ -186,7 +186,7 @@ def test_users_permissions_and_the_shown_hash() -> None:
     assert admin_json["name"] == "admin" and admin_json["tags"] == ["administrator"]
     assert admin_json["hashing_algorithm"] == "rabbit_password_hashing_sha256"
     # The shown hash is the password's, in RabbitMQ's format, and the same every time.
-    from cpgbroker.model import auth
+    from cpgbroker.model.access import auth
 
     shown = User("admin", "", password_hash=admin_json["password_hash"])
     assert auth.password_ok(shown, "pw-admin") and not auth.password_ok(shown, "x")

@@ -12,10 +12,10 @@ from pamqp import frame as pframe
 from pamqp import header as pheader
 
 from cpgbroker.errors import InvariantError
-from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.entities import PendingPublish, TxAck, TxNack, TxPublish
 from cpgbroker.model.events import ClientData, Tick
+from cpgbroker.model.state import snapshot as S
 from modelclient import Client, Harness
 
 

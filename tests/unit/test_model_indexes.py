@@ -13,12 +13,12 @@ import pytest
 from pamqp import commands as C
 from pamqp import header as pheader
 
-from cpgbroker.model import exchange as X
-from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.entities import Message, Queue
 from cpgbroker.model.events import Tick
-from cpgbroker.model.exchange import Exchange, headers_match, topic_match
+from cpgbroker.model.routing import exchange as X
+from cpgbroker.model.routing.exchange import Exchange, headers_match, topic_match
+from cpgbroker.model.state import snapshot as S
 from cpgbroker.wire.fastpath import parse_content_header
 from modelclient import Client, Harness
 

@@ -1,4 +1,4 @@
-"""Resource limits (``model/limits.py``): RabbitMQ's reply codes and texts, decided by the
+"""Resource limits (``model/resources/limits.py``): RabbitMQ's reply codes and texts, decided by the
 model so that every replica refuses at the same event."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from pamqp import commands as C
 from pamqp import frame
 
 from cpgbroker.model import entities as E
-from cpgbroker.model import limits as L
-from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.config import BrokerConfig, User
 from cpgbroker.model.events import ClientConnected, ClientData, ClientDisconnected, MemberLeft
+from cpgbroker.model.resources import limits as L
+from cpgbroker.model.state import snapshot as S
 from cpgbroker.wire.framer import PROTOCOL_HEADER
 from modelclient import Client, Harness
 
@@ -327,7 +327,7 @@ def _handshake_bytes(user: str, vhost: str = "/") -> bytes:
 
 
 def _limit_check_lines(b: Broker, conn: int, data: bytes) -> int:
-    """Lines run in ``model/limits.py`` while ``b`` applies ``conn``'s handshake (and its
+    """Lines run in ``model/resources/limits.py`` while ``b`` applies ``conn``'s handshake (and its
     channel.open)."""
     lines = 0
     target = L.__file__

@@ -9,10 +9,10 @@ import pytest
 from pamqp import commands as C
 from pamqp import frame as pframe
 
-from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.config import BrokerConfig, User
 from cpgbroker.model.output import basic_return, queue_declare_ok
+from cpgbroker.model.state import snapshot as S
 from cpgbroker.model.versions import OLDEST
 from modelclient import Client, Harness, bodies, marshal_unchecked
 

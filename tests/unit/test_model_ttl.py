@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from pamqp import commands as C
 
-from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker
-from cpgbroker.model.delivery import Delivery
 from cpgbroker.model.events import Event, Tick
-from cpgbroker.model.ttlindex import EMPTY_DUE
+from cpgbroker.model.messages.delivery import Delivery
+from cpgbroker.model.routing.ttlindex import EMPTY_DUE
+from cpgbroker.model.state import snapshot as S
 from modelclient import Harness
 
 QUEUE_ARGS: tuple[dict[str, Any], ...] = (

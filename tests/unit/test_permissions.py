@@ -1,4 +1,4 @@
-"""Per-vhost permissions (``model/permissions.py``): RabbitMQ's configure / write / read
+"""Per-vhost permissions (``model/access/permissions.py``): RabbitMQ's configure / write / read
 checks, its 403 ACCESS_REFUSED texts, the ``vhosts`` shorthand, and validation at load."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import pytest
 from pamqp import commands as C
 
 from cpgbroker.errors import ConfigError
-from cpgbroker.model import permissions as P
-from cpgbroker.model import snapshot as S
+from cpgbroker.model.access import permissions as P
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.config import BrokerConfig, Permission, User
+from cpgbroker.model.state import snapshot as S
 from cpgbroker.runtime.config.digest import config_digest
 from cpgbroker.runtime.config.settings import from_dict
 from modelclient import Client, Harness

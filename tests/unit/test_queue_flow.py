@@ -1,15 +1,15 @@
-"""Queue flow (model/queueflow.py): a publisher faster than a queue's consumers is paused while
-the queue stands above the mark and resumes once it drained to half, decided from replicated
+"""Queue flow (model/resources/queueflow.py): a publisher faster than a queue's consumers is paused
+while the queue stands above the mark and resumes once it drained to half, decided from replicated
 state (every replica pauses the same connections at the same event)."""
 
 from __future__ import annotations
 
 from pamqp import commands as C
 
-from cpgbroker.model import snapshot
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.config import BrokerConfig
 from cpgbroker.model.events import Throttle, Tick
+from cpgbroker.model.state import snapshot
 from modelclient import Client, Harness
 
 HIGH = 4

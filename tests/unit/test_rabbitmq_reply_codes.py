@@ -16,7 +16,7 @@ import pytest
 from pamqp import commands as C
 from pamqp import frame as pframe
 
-from cpgbroker.model import snapshot as S
+from cpgbroker.model.state import snapshot as S
 from cpgbroker.wire.framer import PROTOCOL_HEADER, frame
 from modelclient import Client, Harness
 
@@ -230,7 +230,7 @@ def test_a_connection_method_on_an_unopened_channel_is_504_as_in_rabbitmq() -> N
 def test_every_client_method_pamqp_encodes_decodes_without_stray_bytes() -> None:
     """The argument walk knows every argument type of every method: what pamqp encodes with
     default arguments ends exactly where the walk says."""
-    from cpgbroker.model.channel import decode_method
+    from cpgbroker.model.clients.channel import decode_method
 
     for index, cls in C.INDEX_MAPPING.items():
         kwargs = REQUIRED.get(cls.__qualname__, {})

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pamqp import commands as C
 
-from cpgbroker.model import snapshot
 from cpgbroker.model.events import (
     CONFIRM,
     CONFIRM_DURABLE,
@@ -15,6 +14,7 @@ from cpgbroker.model.events import (
     Send,
     Throttle,
 )
+from cpgbroker.model.state import snapshot
 from modelclient import Client, Harness
 
 PERSISTENT = C.Basic.Properties(delivery_mode=2)

@@ -21,8 +21,8 @@ from pamqp import frame as pframe
 from pamqp.exceptions import PAMQPException
 
 from cpgbroker.model import events as EV
-from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker
+from cpgbroker.model.state import snapshot as S
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 

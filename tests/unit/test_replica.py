@@ -1,5 +1,5 @@
-"""Hot standby's state shipping (model/changes.py, model/replica.py): a backup's view, fed the
-primary's change batches, promotes to the broker the primary had, with its clients gone."""
+"""Hot standby's state shipping (model/changes.py, model/standby/replica.py): a backup's view, fed
+the primary's change batches, promotes to the broker the primary had, with its clients gone."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pytest
 from pamqp import commands as C
 
 from cpgbroker.errors import InvariantError
-from cpgbroker.model import snapshot
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.changes import RELEASED, ChangeLog
 from cpgbroker.model.entities import Entry, PriorityMessages, Queue
 from cpgbroker.model.events import Changes, ClientDisconnected, Event, Recovered, Tick
 from cpgbroker.model.shipping import Shipper, messages, promote
+from cpgbroker.model.state import snapshot
 from modelclient import Client, Harness
 from workload import generate
 

@@ -12,10 +12,10 @@ from pamqp import commands
 from cpgbroker.cluster import codec
 from cpgbroker.corosync.events import ConfChg, Deliver, Member, MemberChange, Reason
 from cpgbroker.errors import InvariantError
-from cpgbroker.model import snapshot
 from cpgbroker.model.events import ClientData, DoOutput, Tick
-from cpgbroker.model.replica import Replication
 from cpgbroker.model.shipping import messages
+from cpgbroker.model.standby.replica import Replication
+from cpgbroker.model.state import snapshot
 from cpgbroker.runtime.replication import shipping as shipping_module
 from fakecpg import Bus
 from nodeharness import (

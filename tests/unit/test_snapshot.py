@@ -13,17 +13,12 @@ import attrs
 import pytest
 
 from cpgbroker.errors import InvariantError
-from cpgbroker.model import snapshot as S
-from cpgbroker.model.admin import Admin
-from cpgbroker.model.adminops import ResourceOps
+from cpgbroker.model.access.permissions import Permissions
+from cpgbroker.model.access.users import Users
 from cpgbroker.model.broker import Broker, VHost
-from cpgbroker.model.channel import Channels
+from cpgbroker.model.clients.channel import Channels
+from cpgbroker.model.clients.connection import ConnectionProtocol
 from cpgbroker.model.config import Policy
-from cpgbroker.model.confirms import Confirms
-from cpgbroker.model.connection import ConnectionProtocol
-from cpgbroker.model.consumers import Consumers
-from cpgbroker.model.consumertimeout import ConsumerTimeouts
-from cpgbroker.model.delivery import Delivery
 from cpgbroker.model.entities import (
     Channel,
     Connection,
@@ -38,17 +33,22 @@ from cpgbroker.model.entities import (
     TxNack,
     TxPublish,
 )
-from cpgbroker.model.exchange import Binding, Exchange
 from cpgbroker.model.federation import Federation, Seen, Upstream
-from cpgbroker.model.memory import MemoryMark
+from cpgbroker.model.messages.confirms import Confirms
+from cpgbroker.model.messages.consumers import Consumers
+from cpgbroker.model.messages.consumertimeout import ConsumerTimeouts
+from cpgbroker.model.messages.delivery import Delivery
+from cpgbroker.model.messages.transactions import Transactions
+from cpgbroker.model.operators.admin import Admin
+from cpgbroker.model.operators.adminops import ResourceOps
 from cpgbroker.model.output import Clock, Output
-from cpgbroker.model.permissions import Permissions
-from cpgbroker.model.policies import Policies
-from cpgbroker.model.queueflow import QueueFlow
-from cpgbroker.model.replica import Replication
-from cpgbroker.model.topology import Topology
-from cpgbroker.model.transactions import Transactions
-from cpgbroker.model.users import Users
+from cpgbroker.model.resources.memory import MemoryMark
+from cpgbroker.model.resources.queueflow import QueueFlow
+from cpgbroker.model.routing.exchange import Binding, Exchange
+from cpgbroker.model.routing.policies import Policies
+from cpgbroker.model.routing.topology import Topology
+from cpgbroker.model.standby.replica import Replication
+from cpgbroker.model.state import snapshot as S
 from cpgbroker.wire.fastpath import HeaderInfo
 from cpgbroker.wire.framer import FrameReader
 from modelclient import Harness

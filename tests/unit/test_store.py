@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpgbroker.model import snapshot
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.changes import ChangeLog
 from cpgbroker.model.events import (
@@ -29,6 +28,7 @@ from cpgbroker.model.events import (
     Tick,
 )
 from cpgbroker.model.shipping import Shipper
+from cpgbroker.model.state import snapshot
 from cpgbroker.model.versions import NEWEST
 from cpgbroker.store import meta, records
 from cpgbroker.store.disk import OsDisk, SimDisk, StoreCorrupt
@@ -326,8 +326,8 @@ def _with_operators(seed: int) -> list[Event]:
     from pamqp import commands
     from pamqp import header as pheader
 
+    from cpgbroker.model.access.permissions import TRUSTED
     from cpgbroker.model.events import AdminCommand, Forward
-    from cpgbroker.model.permissions import TRUSTED
 
     def admin(ticket: int, op: str, **args: object) -> AdminCommand:
         return AdminCommand(1, ticket, TRUSTED, op, json.dumps(args).encode())

@@ -11,9 +11,9 @@ import pytest
 import trio
 
 from cpgbroker.errors import ClusterError
-from cpgbroker.model import snapshot as S
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.entities import Queue
+from cpgbroker.model.state import snapshot as S
 from cpgbroker.runtime.update import transfer as update
 from workload import generate
 

@@ -21,10 +21,10 @@ from cpgbroker.cluster.membership import (
     NeedUpdate,
     StartAt,
 )
-from cpgbroker.model import snapshot
-from cpgbroker.model.admin import RAISE_MODEL_VERSION
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.events import AdminCommand, AdminReply, Event
+from cpgbroker.model.operators.admin import RAISE_MODEL_VERSION
+from cpgbroker.model.state import snapshot
 from cpgbroker.model.versions import NEWEST, OLDEST
 from cpgbroker.store import meta
 from cpgbroker.store.disk import SimDisk

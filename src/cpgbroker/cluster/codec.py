@@ -63,7 +63,7 @@ T_ERROR_CHECK = 14
 T_STOP = 15
 T_ADMIN = cpg_type(AdminCommand)
 T_FORWARD = cpg_type(Forward)
-# A hot-standby primary's change batch (model/replica.py): u32 length, the batch.
+# A hot-standby primary's change batch (model/standby/replica.py): u32 length, the batch.
 T_CHANGES = cpg_type(Changes)
 
 # ClientConnected's flags.

@@ -320,7 +320,7 @@ class Membership:
     def refuse_version(self, version: int) -> str | None:
         """Why the cluster cannot move to model ``version`` now (None: it can): every member
         that announced itself must apply it. Decided at a point of the stream, so alike on
-        every member (the operator's ``cluster upgrade-finish``, model/admin.py)."""
+        every member (the operator's ``cluster upgrade-finish``, model/operators/admin.py)."""
         if version < self.model_version:
             return (
                 f"the cluster runs model version {self.model_version}: model versions only move up"

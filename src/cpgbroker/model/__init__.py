@@ -20,11 +20,14 @@ The rest are names. ``Broker.apply`` is the one way to change a broker's state; 
 components are read (the management API, metrics, status), never written from outside.
 """
 
-from cpgbroker.model import auth, entities, events, snapshot
-from cpgbroker.model.admin import RAISE_MODEL_VERSION
-from cpgbroker.model.adminargs import json_value, properties_key
+from cpgbroker.model import entities, events
+from cpgbroker.model.access import auth
+from cpgbroker.model.access.permissions import FIELDS as PERMISSION_FIELDS
+from cpgbroker.model.access.permissions import TRUSTED, check_user
+from cpgbroker.model.access.users import hashed as hashed_user
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.changes import REPLICATE, ChangeLog
+from cpgbroker.model.clients.connection import MECHANISMS, server_properties
 from cpgbroker.model.config import (
     CLUSTER_WIDE,
     BrokerConfig,
@@ -33,9 +36,7 @@ from cpgbroker.model.config import (
     User,
     cluster_wide,
 )
-from cpgbroker.model.connection import MECHANISMS, server_properties
 from cpgbroker.model.eventtypes import EVENT_TYPES, cpg_type, journal_type
-from cpgbroker.model.exchange import Exchange
 from cpgbroker.model.federation import (
     RECEIVED_FROM,
     SERVER_ID_PROPERTY,
@@ -44,13 +45,14 @@ from cpgbroker.model.federation import (
     Upstream,
     upstream_from_value,
 )
-from cpgbroker.model.permissions import FIELDS as PERMISSION_FIELDS
-from cpgbroker.model.permissions import TRUSTED, check_user
-from cpgbroker.model.policies import Policies
-from cpgbroker.model.policies import validate as validate_policy
+from cpgbroker.model.operators.admin import RAISE_MODEL_VERSION
+from cpgbroker.model.operators.adminargs import json_value, properties_key
+from cpgbroker.model.routing.exchange import Exchange
+from cpgbroker.model.routing.policies import Policies
+from cpgbroker.model.routing.policies import validate as validate_policy
+from cpgbroker.model.routing.topology import PEER_EXCHANGE, VHost
 from cpgbroker.model.shipping import Shipper, promote
-from cpgbroker.model.topology import PEER_EXCHANGE, VHost
-from cpgbroker.model.users import hashed as hashed_user
+from cpgbroker.model.state import snapshot
 from cpgbroker.model.versions import (
     EXACT_FIELD_TABLES,
     NEWEST,

@@ -60,15 +60,12 @@ from __future__ import annotations
 
 from cpgbroker.errors import ConnectionError_, InvariantError, ReplyCode
 from cpgbroker.model import entities as E
-from cpgbroker.model.admin import Admin
+from cpgbroker.model.access.permissions import Permissions
+from cpgbroker.model.access.users import Users
 from cpgbroker.model.changes import ChangeLog, Recording
-from cpgbroker.model.channel import Channels
+from cpgbroker.model.clients.channel import Channels
+from cpgbroker.model.clients.connection import ConnectionProtocol
 from cpgbroker.model.config import BrokerConfig
-from cpgbroker.model.confirms import Confirms
-from cpgbroker.model.connection import ConnectionProtocol
-from cpgbroker.model.consumers import Consumers
-from cpgbroker.model.consumertimeout import ConsumerTimeouts
-from cpgbroker.model.delivery import Delivery
 from cpgbroker.model.entities import Connection, Queue
 from cpgbroker.model.events import (
     AdminCommand,
@@ -87,17 +84,20 @@ from cpgbroker.model.events import (
     Recovered,
     Tick,
 )
-from cpgbroker.model.exchange import Exchange
 from cpgbroker.model.federation import Federation
-from cpgbroker.model.memory import MemoryMark
+from cpgbroker.model.messages.confirms import Confirms
+from cpgbroker.model.messages.consumers import Consumers
+from cpgbroker.model.messages.consumertimeout import ConsumerTimeouts
+from cpgbroker.model.messages.delivery import Delivery
+from cpgbroker.model.messages.transactions import Transactions
+from cpgbroker.model.operators.admin import Admin
 from cpgbroker.model.output import Clock, Output
-from cpgbroker.model.permissions import Permissions
-from cpgbroker.model.policies import Policies
-from cpgbroker.model.queueflow import QueueFlow
-from cpgbroker.model.replica import Replication
-from cpgbroker.model.topology import Topology, VHost
-from cpgbroker.model.transactions import Transactions
-from cpgbroker.model.users import Users
+from cpgbroker.model.resources.memory import MemoryMark
+from cpgbroker.model.resources.queueflow import QueueFlow
+from cpgbroker.model.routing.exchange import Exchange
+from cpgbroker.model.routing.policies import Policies
+from cpgbroker.model.routing.topology import Topology, VHost
+from cpgbroker.model.standby.replica import Replication
 from cpgbroker.model.versions import CONSUMER_TIMEOUTS, NEWEST, ModelVersion
 
 __all__ = ["Broker", "VHost"]
@@ -206,7 +206,7 @@ class Broker:
             self.federation,
             self.version,
         )
-        # A hot-standby backup applies the primary's change batches (model/replica.py).
+        # A hot-standby backup applies the primary's change batches (model/standby/replica.py).
         self.replication = Replication(
             self.topology,
             self.delivery,
@@ -333,7 +333,7 @@ class Broker:
 
     def set_local_member(self, member: int) -> None:
         """This replica is member ``member``'s: it answers that member's operators' changes
-        (model/admin.py). Not replicated: each member sets its own."""
+        (model/operators/admin.py). Not replicated: each member sets its own."""
         self.admin.local_member = member
 
     def set_emit(self, conn_id: int, emit: bool) -> None:

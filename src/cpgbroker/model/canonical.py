@@ -1,13 +1,13 @@
 """Plain values: the canonical encoding of snapshots, definitions and change batches, and the
 entities rebuilt from their parts.
 
-A snapshot (``model/snapshot.py``) is a tree of plain values (None, bool, int, float, str,
+A snapshot (``model/state/snapshot.py``) is a tree of plain values (None, bool, int, float, str,
 bytes, list, dict with str keys, and the datetime/Decimal values that AMQP tables may carry),
 built in a fixed order from the model's insertion-ordered collections. :func:`encode` turns it
 into canonical bytes (no pickle: a snapshot crosses the network to new members and must never
 execute code). What rebuilds queues, vhosts and users from their parts is here too, so that a
-hot-standby backup installing a primary's definitions (``model/replica.py``, which the broker
-imports) shares it with a restore without importing the snapshot module (which imports the
+hot-standby backup installing a primary's definitions (``model/standby/replica.py``, which the
+broker imports) shares it with a restore without importing the snapshot module (which imports the
 broker).
 """
 
@@ -21,8 +21,8 @@ from typing import Any
 from cpgbroker.errors import InvariantError
 from cpgbroker.model.config import Permission, User
 from cpgbroker.model.entities import IdList, Queue, QueueBinding, ready_messages
-from cpgbroker.model.exchange import Exchange
-from cpgbroker.model.topology import VHost
+from cpgbroker.model.routing.exchange import Exchange
+from cpgbroker.model.routing.topology import VHost
 from cpgbroker.wire.fieldtable import decode_table
 
 # 2: queues carry single_active (x-single-active-consumer), quorum and delivery_limit; entries

@@ -44,8 +44,8 @@ What is shipped is chosen here, by :attr:`replicate`:
 * ``"definitions"``: no message at all, only the definitions.
 
 The log holds records as tuples until the runtime takes them (:meth:`take`), once per batch;
-encoding them is ``model/changebatch.py``'s. Determinism: the log reads nothing but what the model
-hands it, and the records are in the order the model made the changes.
+encoding them is ``model/standby/changebatch.py``'s. Determinism: the log reads nothing but what the
+model hands it, and the records are in the order the model made the changes.
 
 **Elision.** A message that joins a queue and leaves it again between two takes (a consumer
 got it and acked it before its batch was cut) is never shipped: its ``released`` record
@@ -59,8 +59,8 @@ so they cross the ring as a few bytes of nothing instead of their bodies. A mess
 is elided from each on its own; the first record left of it carries its body.
 
 **Deliveries.** A backup keeps a delivered message in place, flagged redelivered
-(``model/replica.py``), so a member promoted after the primary redelivers it flagged: as long
-as it holds the batch recording the delivery. A delivery recorded in the batch that also
+(``model/standby/replica.py``), so a member promoted after the primary redelivers it flagged: as
+long as it holds the batch recording the delivery. A delivery recorded in the batch that also
 records the message's enqueue is safe whenever it reaches its client: a member either holds
 that batch, and knows of the delivery, or lacks it, and never held the message (whose confirm
 waited for that batch). A delivery of a message that joined its queue in an earlier batch is
@@ -112,7 +112,7 @@ RESERVE = 2048
 RESERVE_MORE = 256
 
 REPLICATE = ("all", "durable", "definitions")
-# Direct reply-to pseudo-queues (model/topology.py's REPLY_PREFIX): one consumer's, on the
+# Direct reply-to pseudo-queues (model/routing/topology.py's REPLY_PREFIX): one consumer's, on the
 # primary, like an exclusive queue.
 _REPLY_PREFIX = "amq.rabbitmq.reply-to."
 

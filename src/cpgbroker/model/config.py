@@ -62,7 +62,7 @@ ALL = ".*"
 @attrs.frozen
 class Permission:
     """A user's rights on one vhost, as RabbitMQ's ``set_permissions``: three regular
-    expressions over queue and exchange names (model/permissions.py applies them). ""
+    expressions over queue and exchange names (model/access/permissions.py applies them). ""
     grants nothing."""
 
     vhost: str
@@ -87,7 +87,7 @@ class User:
     # the cluster, and channels across all of them. None: no limit (RabbitMQ's -1).
     max_connections: int | None = attrs.field(default=None, **COUNT_LIMIT)
     max_channels: int | None = attrs.field(default=None, **COUNT_LIMIT)
-    # Instead of ``password``: a salted hash in RabbitMQ's format (model/auth.py).
+    # Instead of ``password``: a salted hash in RabbitMQ's format (model/access/auth.py).
     password_hash: str = ""
     hashing_algorithm: str = "rabbit_password_hashing_sha256"
     permissions: tuple[Permission, ...] = ()
@@ -105,7 +105,7 @@ class User:
 
 @attrs.frozen
 class Policy:
-    """A policy (model/policies.py applies them): RabbitMQ's set_policy fields."""
+    """A policy (model/routing/policies.py applies them): RabbitMQ's set_policy fields."""
 
     vhost: str
     name: str
@@ -157,16 +157,16 @@ class BrokerConfig:
     vhost_max_exchanges: int | None = attrs.field(default=50_000, metadata=LIMIT, **COUNT_LIMIT)
     # - bindings: a few hundred bytes each (binding, queue record, indexes).
     vhost_max_bindings: int | None = attrs.field(default=200_000, metadata=LIMIT, **COUNT_LIMIT)
-    # Queue flow (model/queueflow.py): a publish that leaves a queue with consumers holding
-    # more than this many ready messages pauses the publisher until the queue is down to half;
-    # 0: off (publishers then slow down only at the memory mark).
+    # Queue flow (model/resources/queueflow.py): a publish that leaves a queue with consumers
+    # holding more than this many ready messages pauses the publisher until the queue is down to
+    # half; 0: off (publishers then slow down only at the memory mark).
     queue_flow_messages: int = attrs.field(default=1000, metadata=LIMIT)
     # This cluster's name across a federation ([federation] server_id): announced to peers,
     # and a link from or to a cluster of the same id is refused on both sides. "": no
     # federation identity.
     server_id: str = attrs.field(default="", metadata={**CLUSTER_WIDE, "section": "federation"})
     # Federation upstreams and policies the configuration seeds (model/federation.py,
-    # model/policies.py).
+    # model/routing/policies.py).
     upstreams: tuple[Upstream, ...] = attrs.field(
         default=(), metadata={**CLUSTER_WIDE, "section": "federation"}
     )
@@ -189,8 +189,8 @@ class BrokerConfig:
     # member-local broker): a queue's x-replicate argument must say the same.
     replicated: bool = attrs.field(default=False, metadata={**CLUSTER_WIDE, "key": None})
     # RabbitMQ's consumer_timeout (ms; its default since 3.8.17): a channel whose oldest
-    # unacknowledged delivery waited longer is closed (model/consumertimeout.py, model version
-    # 8); None: no timeout but a queue's own x-consumer-timeout. Added after release 0.1.0:
+    # unacknowledged delivery waited longer is closed (model/messages/consumertimeout.py, model
+    # version 8); None: no timeout but a queue's own x-consumer-timeout. Added after release 0.1.0:
     # hashed into the members' configuration digest only when it is not its default.
     consumer_timeout: int | None = attrs.field(
         default=1_800_000,

@@ -75,7 +75,7 @@ class Message:
         headers_span: tuple[int, int] | None,
     ) -> Message:
         """The same message from its exchange and routing key as bytes (a hot-standby
-        backup's change batch carries them so: no encoding again, model/replica.py)."""
+        backup's change batch carries them so: no encoding again, model/standby/replica.py)."""
         m = cls.__new__(cls)
         m.id = msg_id
         m.exchange = ex_b.decode()
@@ -199,7 +199,7 @@ class PriorityMessages:
 
     def remove(self, e: Entry) -> None:
         """Take ``e`` out from wherever it is (a hot-standby backup's replica, told that the
-        primary settled it: model/replica.py)."""
+        primary settled it: model/standby/replica.py)."""
         self._band(e).remove(e)
         self.count -= 1
 
@@ -309,7 +309,7 @@ def detach_unacked(c: Consumer) -> None:
 # time it was delivered at, in ms). A plain tuple on purpose: one is made per delivery, and a
 # tuple costs a quarter of a slotted instance there (the per-message path is what every
 # replica pays for every client). The time is what consumer timeouts measure
-# (model/consumertimeout.py): replicated state from model version 8 on (snapshots carry it
+# (model/messages/consumertimeout.py): replicated state from model version 8 on (snapshots carry it
 # then); at version 7 nothing reads it, and the switch to 8 sets it anew.
 Unacked = tuple["Queue", Entry, "Consumer | None", int]
 
@@ -453,13 +453,14 @@ class Queue:
     deleted: bool = False
     # Every binding of the queue, for cleanup on delete.
     bindings: IdList[QueueBinding] = attrs.Factory(IdList)
-    # Publishers this queue holds back until it drains (model/queueflow.py): id -> connection.
+    # Publishers this queue holds back until it drains (model/resources/queueflow.py): id ->
+    # connection.
     flow_paused: dict[int, Connection] = attrs.Factory(dict)
     # Derived (``ttlindex.TtlQueues``, rebuilt on restore): the queue's join number in
     # ``ttl_queues`` (-1 when not in it) and the due time of its live due-heap entry.
     ttl_order: int = -1
     ttl_due: int | None = None
-    # Derived (model/policies.py, re-applied on restore): the policy that applies, by name.
+    # Derived (model/routing/policies.py, re-applied on restore): the policy that applies, by name.
     policy: str | None = None
     # Statistics for the management API and metrics (RabbitMQ's message_stats publish and
     # deliver_get): messages this queue took and handed out since this replica has had it.
@@ -492,7 +493,7 @@ class Channel:
     last_queue: str = ""
     # A publish whose content is still arriving.
     pending: PendingPublish | None = None
-    # Derived (model/consumertimeout.py, rebuilt on restore): the due time of the channel's
+    # Derived (model/messages/consumertimeout.py, rebuilt on restore): the due time of the channel's
     # live entry in the consumer-timeout heap (None: none), the smallest timeout of the queues
     # it delivered from since it had nothing unacked (a lower bound), and the queue of its
     # last delivery that must be acked (a delivery from another one looks at its timeout).
@@ -520,7 +521,7 @@ class Connection:
     loopback: bool
     reader: FrameReader
     # Over TLS, and the user named by its verified client certificate ("" for none): what the
-    # EXTERNAL mechanism logs in as (model/connection.py).
+    # EXTERNAL mechanism logs in as (model/clients/connection.py).
     tls: bool = False
     cert_user: str = ""
     state: int = AWAIT_HEADER
@@ -556,6 +557,6 @@ class Connection:
     confirm_out: bool = False
     # ``outbuf`` holds a delivery that waits for its batch (``Send.delivery_waits``). Transient.
     delivery_waits: bool = False
-    # How many queues hold this connection's publishing back (model/queueflow.py; derived:
+    # How many queues hold this connection's publishing back (model/resources/queueflow.py; derived:
     # rebuilt on restore from ``Queue.flow_paused``).
     flow_pauses: int = 0

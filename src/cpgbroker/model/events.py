@@ -110,8 +110,9 @@ class DiskAlarm:
 
 @attrs.frozen
 class AdminCommand:
-    """An operator's change through the management API or ``cpgbroker ctl`` (model/admin.py):
-    users, vhosts, permissions, policies, queues, exchanges, bindings, messages.
+    """An operator's change through the management API or ``cpgbroker ctl``
+    (model/operators/admin.py): users, vhosts, permissions, policies, queues, exchanges, bindings,
+    messages.
 
     ``member`` and ``ticket`` name the request, so that the member whose operator asked
     answers it (:class:`AdminReply`). ``user`` is who asked, as that member authenticated them
@@ -149,7 +150,7 @@ class Forward:
 
 @attrs.frozen
 class Changes:
-    """A hot-standby primary's change batch (model/changes.py, model/replica.py): what its
+    """A hot-standby primary's change batch (model/changes.py, model/standby/replica.py): what its
     broker changed, applied by every backup's broker in place of its clients' bytes."""
 
     data: bytes

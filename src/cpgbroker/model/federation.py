@@ -15,8 +15,8 @@ from the same replicated membership (runtime/federation/links.py).
 
 A link's runner reports its state changes (connecting, running, error) through an ordered
 admin command, so every member shows every link's status alike; messages a link brings in
-arrive as :class:`~cpgbroker.model.events.Forward` events (model/admin.py applies them). The
-digests of each link's latest forwarded messages (:class:`Seen`) let every replica drop alike
+arrive as :class:`~cpgbroker.model.events.Forward` events (model/operators/admin.py applies them).
+The digests of each link's latest forwarded messages (:class:`Seen`) let every replica drop alike
 the upstream's redelivery of a message a runner handed over and died before acknowledging.
 Owns: the upstreams, by vhost and name, the links' reported states and their recent digests.
 """
@@ -270,7 +270,7 @@ class Federation:
 
     def push_queues(self, vh: Any, ex: Any, definition: dict[str, Any]) -> list[Any]:
         """The push queues of ``ex``'s pushing links that exist (routing adds them to a
-        local publish's destinations: model/delivery.py). ``definition``: the definition of
+        local publish's destinations: model/messages/delivery.py). ``definition``: the definition of
         the policy that applies to ``ex``."""
         ups = self.upstreams.get(vh.name)
         if not ups:

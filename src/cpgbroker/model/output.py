@@ -55,7 +55,7 @@ class Clock:
 
     def set(self, now_ms: int) -> None:
         """Cluster time is ``now_ms``: a tick's (clamped by the broker: it never goes back),
-        a snapshot's, or the primary's from each change batch (model/replica.py)."""
+        a snapshot's, or the primary's from each change batch (model/standby/replica.py)."""
         self.now_ms = now_ms
 
 
@@ -146,13 +146,13 @@ class Output:
     def shadow_confirmed(self, durable: bool) -> None:
         """Another member's client waits for a confirm this member reports once it applied the
         event (``durable``: once its store holds it too): a backup's change batch that says so
-        (model/replica.py)."""
+        (model/standby/replica.py)."""
         self.shadow_confirms += 1
         if durable:
             self.shadow_durable_confirms += 1
 
     def admin_answered(self, shadow: bool) -> None:
-        """An admin command was answered (model/admin.py); ``shadow``: another member's
+        """An admin command was answered (model/operators/admin.py); ``shadow``: another member's
         operator asked. Its answer waits, as a confirm of a persistent message does, until
         every member applied the change and its store holds it: counted as such a confirm so
         that this member reports soon."""

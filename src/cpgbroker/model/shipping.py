@@ -1,8 +1,8 @@
 """A hot-standby primary's side of state shipping: change batches out, promotion of a replica.
 
 :class:`Shipper` turns what the primary's broker recorded (``model/changes.py``) into the next
-change batch (``changebatch.encode``: the layout is ``model/changebatch.py``'s, and
-``model/replica.py`` applies it), with the definitions only when they differ from those last
+change batch (``changebatch.encode``: the layout is ``model/standby/changebatch.py``'s, and
+``model/standby/replica.py`` applies it), with the definitions only when they differ from those last
 shipped (``snapshot.definitions``).
 
 :func:`promote` turns a replica into the broker a new primary serves, in place, by the steps
@@ -20,10 +20,11 @@ from __future__ import annotations
 from typing import Any
 
 from cpgbroker.errors import InvariantError
-from cpgbroker.model import changebatch, snapshot
 from cpgbroker.model.broker import Broker
 from cpgbroker.model.changes import ships_queue
 from cpgbroker.model.entities import Entry, PriorityMessages, Queue, ready_messages
+from cpgbroker.model.standby import changebatch
+from cpgbroker.model.state import snapshot
 
 
 def _queue_meta(q: Queue) -> bytes:

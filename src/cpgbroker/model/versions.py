@@ -41,7 +41,7 @@ VERSION_CHANGES: dict[int, str] = {
 }
 # Model version 8: field tables kept byte for byte (wire/fieldtable.py).
 EXACT_FIELD_TABLES = 8
-# Model version 8: consumer timeouts (model/consumertimeout.py).
+# Model version 8: consumer timeouts (model/messages/consumertimeout.py).
 CONSUMER_TIMEOUTS = 8
 # Model version 8: virtual host names of up to 255 bytes in connection.open (7 refused more
 # than 127 characters, pamqp's limit, with 502).
@@ -67,7 +67,8 @@ class ModelVersion:
 
     def adopt(self, version: int) -> None:
         """The cluster runs ``version`` from now on (an operator's upgrade-finish, checked by
-        model/admin.py; the primary's, from a change batch's definitions: model/replica.py)."""
+        model/operators/admin.py; the primary's, from a change batch's definitions:
+        model/standby/replica.py)."""
         self.current = version
 
     def at_least(self, version: int) -> bool:

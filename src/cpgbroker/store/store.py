@@ -289,7 +289,7 @@ class Store:
         )
         p.phase = "replaying"
         # A hot-standby replica's base may come from an update that left out messages
-        # consumed while it was sent (model/replica.py): their records are skipped again.
+        # consumed while it was sent (model/standby/replica.py): their records are skipped again.
         broker.replication.catch_up(True)
         scan = read_journal(disk, self.dir, m.base_seq)
         next_report = t0 + PROGRESS_EVERY_S

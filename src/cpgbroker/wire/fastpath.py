@@ -9,7 +9,7 @@ The method decoders are total: arguments that do not decode raise the connection
 RabbitMQ 3.10.8 answers with (:func:`cannot_decode`: 501 FRAME_ERROR, ``cannot decode`` and the
 argument bytes, as its decoder reports a binary that does not match the method's layout, cut
 short or with bytes after the last argument; :func:`malformed_utf8` for a short string that is
-not UTF-8), and nothing else. ``decode_method`` (``model/channel.py``) uses the same two for
+not UTF-8), and nothing else. ``decode_method`` (``model/clients/channel.py``) uses the same two for
 the methods pamqp decodes. The content-header parser raises :class:`ValueError` (``IndexError``
 for a property past the end), never ``struct.error`` (lengths are checked before unpacking);
 the model turns that into 501 FRAME_ERROR.
@@ -446,7 +446,8 @@ def _check_short_strings(payload: bytes, flags: int) -> None:
             p += 1
 
 
-# RabbitMQ's direct reply-to pseudo-queue, as a reply-to property names it (model/topology.py).
+# RabbitMQ's direct reply-to pseudo-queue, as a reply-to property names it
+# (model/routing/topology.py).
 DIRECT_REPLY = b"amq.rabbitmq.reply-to"
 
 

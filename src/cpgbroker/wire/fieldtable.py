@@ -4,7 +4,7 @@ version 8, ``model/versions.py`` ``EXACT_FIELD_TABLES``).
 Theory of operation
 -------------------
 The broker changes a client's ``headers`` in two places: dead-lettering counts up or adds an
-``x-death`` entry (``model/deadletter.py``), and a quorum queue's redelivery sets
+``x-death`` entry (``model/routing/deadletter.py``), and a quorum queue's redelivery sets
 ``x-delivery-count`` (``wire/fastpath.py``). Model version 7 decoded the whole table with
 pamqp and had pamqp write it again, which is lossy: pamqp writes every float as a 32-bit
 ``f`` (a double 1.1 comes back 1.100000023841858, 4.9e-324 comes back 0.0, 1e308 cannot be

@@ -1,4 +1,4 @@
-"""This member's side of operators' changes (model/admin.py): it numbers each request,
+"""This member's side of operators' changes (model/operators/admin.py): it numbers each request,
 submits it as an ``AdminCommand`` event, and hands the model's answer back to the request
 that waits for it, once the change is as safe as a publisher confirm: applied by every
 ready member and, with stores, in every store (the same N-1 guarantee). Until then an HTTP

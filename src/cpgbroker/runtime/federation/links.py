@@ -13,7 +13,7 @@ seed design's exchange federation agent (and RabbitMQ's federation plugin):
 1. it connects to the upstream cluster as an ordinary AMQP client
    (runtime/federation/client.py), trying its URLs in turn, and refuses to run when the
    upstream calls itself by this cluster's server id (the upstream refuses it too,
-   model/connection.py);
+   model/clients/connection.py);
 2. it declares the upstream exchange (same type) and a queue there, ``federation: <exchange>
    -> <server id>``, and binds the queue with the local exchange's bindings, *normalised*: one
    binding per distinct routing key (and arguments), however many local queues share it;

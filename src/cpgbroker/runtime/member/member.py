@@ -768,7 +768,8 @@ class ClusterNode:
             )
             return
         mark.seq = 0
-        # (Shipping changes, a change batch carries the primary's version: model/replica.py.)
+        # (Shipping changes, a change batch carries the primary's version:
+        # model/standby/replica.py.)
         if (
             raising or type(e) is Changes
         ) and broker.version.current != self.membership.model_version:

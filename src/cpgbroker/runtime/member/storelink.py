@@ -118,7 +118,7 @@ class StoreLink:
 
     async def watch_disk(self) -> None:
         """Raise (and clear) this member's disk alarm through the stream, so every member
-        blocks publishers at the same event (model/memory.py)."""
+        blocks publishers at the same event (model/resources/memory.py)."""
         store = self.store
         while True:
             try:

@@ -304,7 +304,8 @@ def vhost_json(vh: VHost, view: ClusterView) -> dict[str, Any]:
 def shown_hash(user: User) -> tuple[str, str]:
     """(password_hash, hashing_algorithm) as RabbitMQ shows a user. The model holds every
     user with a hash (a configured plain password is hashed from the user's name,
-    model/users.py); the configuration's users, shown before a member has a replica, alike."""
+    model/access/users.py); the configuration's users, shown before a member has a replica,
+    alike."""
     u = hashed(user)
     return u.password_hash, u.hashing_algorithm
 

@@ -1,6 +1,6 @@
 """RabbitMQ's management HTTP API, the write side: ``PUT``, ``POST`` and ``DELETE`` under
 ``/api`` turned into the operators' changes the model applies in the event order
-(model/admin.py), and their answers into RabbitMQ's HTTP answers.
+(model/operators/admin.py), and their answers into RabbitMQ's HTTP answers.
 
 Theory of operation
 -------------------
@@ -43,7 +43,7 @@ IMPORT_CHUNK_BYTES = 256 * 1024
 
 @attrs.frozen
 class Command:
-    """An op for the model (model/admin.py) and its arguments, in order."""
+    """An op for the model (model/operators/admin.py) and its arguments, in order."""
 
     op: str
     args: dict[str, Any]

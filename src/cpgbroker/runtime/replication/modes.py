@@ -334,7 +334,7 @@ class ShippingChanges:
 
     def installed(self, stream: Broker) -> None:
         """The update left out what was consumed while it was sent: the replay finds records
-        for messages it does not have (model/replica.py)."""
+        for messages it does not have (model/standby/replica.py)."""
         stream.replication.catch_up(True)
 
     def status(self) -> dict[str, Any]:

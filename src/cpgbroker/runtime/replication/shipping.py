@@ -8,9 +8,9 @@ primary alone, the *serving broker*, which applies their events the moment they 
 a standalone broker does) and records what it changed (``model/changes.py``). After each event
 :class:`Shipping` encodes the records as a change batch (``model/shipping.py``) and multicasts
 it as a :class:`~cpgbroker.model.events.Changes` event. Every member, the primary too, applies
-the ordered batches to its stream broker, a broker without connections (``model/replica.py``):
-that is what backups hold, what state updates, checkpoints and the management API of a backup
-read, and what a backup promotes when it becomes primary.
+the ordered batches to its stream broker, a broker without connections
+(``model/standby/replica.py``): that is what backups hold, what state updates, checkpoints and the
+management API of a backup read, and what a backup promotes when it becomes primary.
 
 * **Confirms** (and tx.commit-ok, and operators' answers) wait until the batch that carries
   their change is stable: delivered back here and applied by every ready member, as the
@@ -21,8 +21,8 @@ read, and what a backup promotes when it becomes primary.
   recording the delivery (basic.deliver, basic.get-ok: ``Send.delivery_waits``, decided by
   ``ChangeLog.delivery_waits``) wait at the same gate for that batch, and what the connection
   is sent after them waits behind them. A backup keeps a message out with the primary's
-  consumers in place, flagged redelivered (``model/replica.py``), so once the batch is stable
-  every member that may be promoted redelivers the message flagged, a quorum queue's delivery
+  consumers in place, flagged redelivered (``model/standby/replica.py``), so once the batch is
+  stable every member that may be promoted redelivers the message flagged, a quorum queue's delivery
   count one higher. Delivered at once instead, a message whose delivery was in flight when
   the primary was cut off (its corosync frozen, its node partitioned away) would reach a
   consumer again from the new primary as a first delivery: an unflagged duplicate. A message

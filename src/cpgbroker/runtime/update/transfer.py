@@ -21,7 +21,7 @@ cluster's private network, as corosync's own ring is.
 
 Stream (after the 8-byte magic and the token): frames of ``u32 length`` + payload. The first
 payload is the preamble ``{"updater", "seq", "members"}``, then one payload per snapshot part
-(:func:`cpgbroker.model.snapshot.parts`, canonical encoding), then a zero-length frame and the
+(:func:`cpgbroker.model.state.snapshot.parts`, canonical encoding), then a zero-length frame and the
 SHA-256 of all part payloads, which the newcomer checks (the model digest, but for a
 replica's update from the back of its queues, which leaves out what was consumed meanwhile:
 :class:`Released`).

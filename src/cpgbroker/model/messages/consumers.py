@@ -31,7 +31,7 @@ from typing import Any
 from pamqp import commands
 
 from cpgbroker.errors import ChannelError, ConnectionError_, ReplyCode
-from cpgbroker.model.delivery import Delivery
+from cpgbroker.model.access.permissions import READ, Permissions
 from cpgbroker.model.entities import (
     Channel,
     Connection,
@@ -43,11 +43,11 @@ from cpgbroker.model.entities import (
     Unacked,
     detach_unacked,
 )
-from cpgbroker.model.memory import MemoryMark
+from cpgbroker.model.messages.delivery import Delivery
 from cpgbroker.model.output import Clock, Output
-from cpgbroker.model.permissions import READ, Permissions
-from cpgbroker.model.queueargs import amqp_type
-from cpgbroker.model.topology import DIRECT_REPLY, Topology, generated_name, reply_queue_of
+from cpgbroker.model.resources.memory import MemoryMark
+from cpgbroker.model.routing.queueargs import amqp_type
+from cpgbroker.model.routing.topology import DIRECT_REPLY, Topology, generated_name, reply_queue_of
 from cpgbroker.wire import fastpath as fp
 
 R = ReplyCode
@@ -159,7 +159,7 @@ class Consumers:
         self._add(conn, ch, Consumer(tag, q, ch, m.no_ack, m.exclusive, ch.prefetch_count, args), m)
 
     def _reply_consume(self, conn: Connection, ch: Channel, m: Any) -> None:
-        """RabbitMQ's direct reply-to (model/topology.py, ``DIRECT_REPLY``): one no-ack
+        """RabbitMQ's direct reply-to (model/routing/topology.py, ``DIRECT_REPLY``): one no-ack
         consumer per channel, of a queue made for it, with RabbitMQ's refusals."""
         tag = m.consumer_tag or generated_name(conn, "amq.ctag-")
         if tag in ch.consumers:

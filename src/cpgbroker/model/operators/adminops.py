@@ -1,6 +1,6 @@
-"""Operators' changes to queues, exchanges, bindings, messages and connections (model/admin.py
-routes them here): the management API's declares, deletes, purges, binds, publishes, gets and
-connection closes.
+"""Operators' changes to queues, exchanges, bindings, messages and connections
+(model/operators/admin.py routes them here): the management API's declares, deletes, purges, binds,
+publishes, gets and connection closes.
 
 They go through the very handlers AMQP clients reach, on a *management connection*: a
 connection object that exists only for the one event (never in the broker's connections, never
@@ -21,7 +21,11 @@ from pamqp import header as pheader
 
 from cpgbroker.errors import AMQPError, ReplyCode
 from cpgbroker.model import entities as E
-from cpgbroker.model.adminargs import (
+from cpgbroker.model.access.permissions import READ, WRITE, Permissions
+from cpgbroker.model.clients.connection import ConnectionProtocol
+from cpgbroker.model.messages.consumers import Consumers
+from cpgbroker.model.messages.delivery import Delivery
+from cpgbroker.model.operators.adminargs import (
     AdminError,
     Answer,
     bad_request,
@@ -33,11 +37,7 @@ from cpgbroker.model.adminargs import (
     table_arg,
     text_arg,
 )
-from cpgbroker.model.connection import ConnectionProtocol
-from cpgbroker.model.consumers import Consumers
-from cpgbroker.model.delivery import Delivery
-from cpgbroker.model.permissions import READ, WRITE, Permissions
-from cpgbroker.model.topology import Topology
+from cpgbroker.model.routing.topology import Topology
 from cpgbroker.model.versions import EXACT_FIELD_TABLES, ModelVersion
 from cpgbroker.wire.fastpath import parse_content_header, with_headers
 from cpgbroker.wire.fieldtable import BOOL, DOUBLE, LONG, VOID, Field, Table

@@ -37,14 +37,14 @@ from pamqp.exceptions import PAMQPException
 from cpgbroker.errors import AMQPError, ChannelError, ConnectionError_, ReplyCode
 from cpgbroker.model import entities as E
 from cpgbroker.model.changes import Recording
-from cpgbroker.model.confirms import Confirms
-from cpgbroker.model.consumers import Consumers
-from cpgbroker.model.delivery import Delivery
 from cpgbroker.model.entities import Channel, Connection
-from cpgbroker.model.limits import check_channel_open
+from cpgbroker.model.messages.confirms import Confirms
+from cpgbroker.model.messages.consumers import Consumers
+from cpgbroker.model.messages.delivery import Delivery
+from cpgbroker.model.messages.transactions import Transactions
 from cpgbroker.model.output import Output
-from cpgbroker.model.topology import Topology
-from cpgbroker.model.transactions import Transactions
+from cpgbroker.model.resources.limits import check_channel_open
+from cpgbroker.model.routing.topology import Topology
 from cpgbroker.wire.fastpath import cannot_decode, malformed_utf8
 from cpgbroker.wire.tables import TableError, TableLimitError, check_fields
 
@@ -101,7 +101,7 @@ def decode_method(payload: bytes, index: int, unchecked: tuple[str, ...] = ()) -
     arguments that do not decode are 501 FRAME_ERROR, tables over our limits 502 SYNTAX_ERROR,
     an unknown method 540 NOT_IMPLEMENTED. ``unchecked`` names more arguments than the queue
     and exchange names that pamqp's ``validate()`` does not see (connection.open's
-    virtual host from model version 8: model/connection.py)."""
+    virtual host from model version 8: model/clients/connection.py)."""
     cls = commands.INDEX_MAPPING.get(index)
     if cls is None:
         raise ConnectionError_(
@@ -152,7 +152,7 @@ def decode_method(payload: bytes, index: int, unchecked: tuple[str, ...] = ()) -
         raise _syntax_error(index, e) from None
     if index in _BINDS:
         # The arguments' bytes (the last field), for the headers exchange from model version 8
-        # (model/exchange.py reads them with our codec, as RabbitMQ does).
+        # (model/routing/exchange.py reads them with our codec, as RabbitMQ does).
         p = 6  # class, method, reserved short
         for _ in range(3):  # queue or destination, exchange or source, routing key
             p += 1 + payload[p]

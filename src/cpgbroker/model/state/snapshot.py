@@ -1,4 +1,4 @@
-"""Snapshot and digest of the whole broker model (restoring one: ``model/restore.py``).
+"""Snapshot and digest of the whole broker model (restoring one: ``model/state/restore.py``).
 
 A snapshot is a tree of plain values (None, bool, int, float, str, bytes, list, dict with str
 keys, and the datetime/Decimal values that AMQP tables may carry), built in a fixed order from
@@ -43,12 +43,12 @@ from cpgbroker.model.entities import (
     TxOp,
     TxPublish,
 )
-from cpgbroker.model.exchange import Binding, Exchange
-from cpgbroker.model.restore import Restorer, restore
+from cpgbroker.model.routing.exchange import Binding, Exchange
+from cpgbroker.model.state.restore import Restorer, restore
 from cpgbroker.model.versions import CONSUMER_TIMEOUTS, OLDEST
 
 # Snapshots are encoded with the canonical encoding of model/canonical.py: its two functions are
-# this module's too, as are restoring (model/restore.py) and the format both follow.
+# this module's too, as are restoring (model/state/restore.py) and the format both follow.
 __all__ = [
     "CHUNK",
     "NOT_REPLICATED",
@@ -90,13 +90,13 @@ NOT_REPLICATED = {
         "header_exact_always",
         "sources",
         "bind_seq",
-        # The policy that applies (model/policies.py): a function of the policies and the
+        # The policy that applies (model/routing/policies.py): a function of the policies and the
         # name, marked again on restore.
         "policy",
         "policy_alternate",
     },
     "Binding": {"seq", "exact"},
-    # The policy that applies (model/policies.py): a function of the policies and the name.
+    # The policy that applies (model/routing/policies.py): a function of the policies and the name.
     # (And where a hot-standby primary's change log is, model/changes.py: not state.)
     "Topology": {"_expiry_heap", "_expiry_seq", "_changes"},
     # Derived from ``ttl_queues`` (``TtlQueues.rebuild`` on restore).
@@ -104,8 +104,8 @@ NOT_REPLICATED = {
     "ConnectionProtocol": {"deadlines"},
     "QueueFlow": {"queues"},
     "Consumer": {"qseq"},
-    # Derived (model/consumertimeout.py): the consumer-timeout heap and what leads a channel
-    # there, rebuilt on restore from the unacked deliveries and their times.
+    # Derived (model/messages/consumertimeout.py): the consumer-timeout heap and what leads a
+    # channel there, rebuilt on restore from the unacked deliveries and their times.
     "Channel": {"ack_due", "ack_floor", "ack_q"},
     "ConsumerTimeouts": {"heap", "_pushes", "_compact_at"},
     # Cached permission results: a function of the configuration and the name.
@@ -118,7 +118,7 @@ NOT_REPLICATED = {
     # The replica's own member id (which answers are another member's).
     "Admin": {"local_member"},
     "ResourceOps": {"answering"},
-    # Derived (model/replica.py): a backup's index of messages by id, rebuilt when missing.
+    # Derived (model/standby/replica.py): a backup's index of messages by id, rebuilt when missing.
     # (Its queue fronts are not left out: ``parts`` puts them in their queues' messages.)
     # (Its refs are those of the batch being applied: empty between events.)
     "Replication": {"_index", "_front", "_refs", "catching_up", "released"},
@@ -210,7 +210,7 @@ def parts(
     yield head
     replication = b.replication
     for i, q in enumerate(queues):
-        # A backup's queue front (model/replica.py) is part of its messages: as a restored
+        # A backup's queue front (model/standby/replica.py) is part of its messages: as a restored
         # broker holds them, so that both digest alike.
         held = replication.held(q)
         yield ["queue", i, _queue(q, held)]
@@ -277,7 +277,7 @@ _VOLATILE_QUEUE = {"rr": 0, "unacked": 0, "ready_bytes": 0, "last_used_ms": 0}
 
 
 def definitions(b: Broker) -> list[Any]:
-    """The definitions a hot-standby primary ships (model/replica.py): the snapshot's head,
+    """The definitions a hot-standby primary ships (model/standby/replica.py): the snapshot's head,
     queue and vhost parts without connections, messages or traffic counters, so that two
     calls give equal parts exactly when the definitions are equal. Queues are those of the
     vhosts a backup keeps (``changes.ships_queue``: not exclusive or reply-to queues, which
@@ -366,7 +366,7 @@ def _head(b: Broker, queues: list[Queue]) -> dict[str, Any]:
     if mark.disk_alarms:
         h["disk_alarms"] = list(mark.disk_alarms)
         h["memory_blocked"] = mark.memory_blocked
-    # Users and policies only once an operator changed them (model/admin.py): until then
+    # Users and policies only once an operator changed them (model/operators/admin.py): until then
     # they are the configuration's, on every member alike, and a state snapshots (and
     # digests) as before they became replicated state.
     users = b.users
@@ -456,7 +456,7 @@ def _binding(bd: Binding, qref: Any) -> list[Any]:
         else ["e", bd.dest.name, bd.key, bd.args]
     )
     if bd.table is not None:
-        # Model version 8: the client's arguments as sent (model/exchange.py).
+        # Model version 8: the client's arguments as sent (model/routing/exchange.py).
         row.append(bd.table.encode())
     return row
 

@@ -37,13 +37,10 @@ from cpgbroker.errors import (
     InvariantError,
     ReplyCode,
 )
-from cpgbroker.model.auth import password_ok
-from cpgbroker.model.channel import CONNECTION_CLASS, Channels, decode_method, method_name
+from cpgbroker.model.access.auth import password_ok
+from cpgbroker.model.clients.channel import CONNECTION_CLASS, Channels, decode_method, method_name
+from cpgbroker.model.clients.deadlines import Deadlines
 from cpgbroker.model.config import BrokerConfig, User
-from cpgbroker.model.confirms import Confirms
-from cpgbroker.model.consumers import Consumers
-from cpgbroker.model.deadlines import Deadlines
-from cpgbroker.model.delivery import Delivery
 
 # Connection states as module names: compared per frame, and a global is one lookup less.
 from cpgbroker.model.entities import (
@@ -58,11 +55,14 @@ from cpgbroker.model.entities import (
 )
 from cpgbroker.model.events import ClientConnected, LoginRefused
 from cpgbroker.model.federation import SERVER_ID_PROPERTY
-from cpgbroker.model.limits import check_connection_open
-from cpgbroker.model.memory import MemoryMark
+from cpgbroker.model.messages.confirms import Confirms
+from cpgbroker.model.messages.consumers import Consumers
+from cpgbroker.model.messages.delivery import Delivery
 from cpgbroker.model.output import Clock, Output
-from cpgbroker.model.queueflow import QueueFlow
-from cpgbroker.model.topology import Topology
+from cpgbroker.model.resources.limits import check_connection_open
+from cpgbroker.model.resources.memory import MemoryMark
+from cpgbroker.model.resources.queueflow import QueueFlow
+from cpgbroker.model.routing.topology import Topology
 from cpgbroker.model.versions import LONG_VHOST_NAMES, ModelVersion
 from cpgbroker.wire.fastpath import BASIC_ACK, BASIC_PUBLISH, method_index
 from cpgbroker.wire.framer import (
@@ -202,7 +202,7 @@ class ConnectionProtocol:
         # The cluster's model version (read at every use: it moves up at an event).
         self._version = version
         self._flow = flow
-        # The broker's users (model/users.py owns the dict and changes it in place).
+        # The broker's users (model/access/users.py owns the dict and changes it in place).
         self._users = users
         self.connections = connections
         self._clock = clock

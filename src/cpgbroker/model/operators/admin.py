@@ -31,8 +31,21 @@ from collections.abc import Callable
 from typing import Any
 
 from cpgbroker.errors import AMQPError, ReplyCode
-from cpgbroker.model import auth
-from cpgbroker.model.adminargs import (
+from cpgbroker.model.access import auth
+from cpgbroker.model.access.permissions import TRUSTED, Permissions
+from cpgbroker.model.access.users import Users
+from cpgbroker.model.clients.connection import ConnectionProtocol
+from cpgbroker.model.config import Permission, Policy, User
+from cpgbroker.model.events import AdminCommand, AdminReply, Forward
+from cpgbroker.model.federation import (
+    UPSTREAM,
+    Federation,
+    push_queue_name,
+    upstream_from_value,
+)
+from cpgbroker.model.messages.consumers import Consumers
+from cpgbroker.model.messages.delivery import Delivery
+from cpgbroker.model.operators.adminargs import (
     AdminError,
     Answer,
     amqp_answer,
@@ -45,23 +58,10 @@ from cpgbroker.model.adminargs import (
     text_arg,
     validate_pattern,
 )
-from cpgbroker.model.adminops import ResourceOps
-from cpgbroker.model.config import Permission, Policy, User
-from cpgbroker.model.connection import ConnectionProtocol
-from cpgbroker.model.consumers import Consumers
-from cpgbroker.model.delivery import Delivery
-from cpgbroker.model.events import AdminCommand, AdminReply, Forward
-from cpgbroker.model.federation import (
-    UPSTREAM,
-    Federation,
-    push_queue_name,
-    upstream_from_value,
-)
+from cpgbroker.model.operators.adminops import ResourceOps
 from cpgbroker.model.output import Output
-from cpgbroker.model.permissions import TRUSTED, Permissions
-from cpgbroker.model.policies import Policies, escaped_term, validate
-from cpgbroker.model.topology import FAILOVER_EXCHANGE, PEER_EXCHANGE, PREDECLARED, Topology
-from cpgbroker.model.users import Users
+from cpgbroker.model.routing.policies import Policies, escaped_term, validate
+from cpgbroker.model.routing.topology import FAILOVER_EXCHANGE, PEER_EXCHANGE, PREDECLARED, Topology
 from cpgbroker.model.versions import (
     EXACT_FIELD_TABLES,
     NEWEST,

@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 A policy (``rabbitmqctl set_policy``, ``PUT /api/policies/{vhost}/{name}``) has a pattern (a
-regular expression over names, matched as permissions are: model/permissions.py), what it
+regular expression over names, matched as permissions are: model/access/permissions.py), what it
 applies to (``queues``, ``exchanges`` or ``all``; RabbitMQ 3.12's ``classic_queues`` and
 ``quorum_queues`` too), a priority and a definition. At most one policy applies to a queue or
 exchange: the matching one of the highest priority; among equals the one whose name sorts
@@ -24,8 +24,8 @@ What a definition may say, and how it combines with the queue's own arguments, i
   that definitions exported from RabbitMQ import whole, and without effect: every queue here
   is replicated to every member, and held in memory.
 
-Changes are ordered admin events (model/admin.py): every member re-applies the policies of a
-vhost at the same event. Owns the policies of every vhost, in the order they were set.
+Changes are ordered admin events (model/operators/admin.py): every member re-applies the policies of
+a vhost at the same event. Owns the policies of every vhost, in the order they were set.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from cpgbroker.model.access.permissions import compile_pattern
 from cpgbroker.model.config import Policy
 from cpgbroker.model.entities import Queue
-from cpgbroker.model.exchange import Exchange
-from cpgbroker.model.permissions import compile_pattern
+from cpgbroker.model.routing.exchange import Exchange
 
 APPLY_TO = ("queues", "exchanges", "all", "classic_queues", "quorum_queues")
 

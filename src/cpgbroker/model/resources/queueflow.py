@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from cpgbroker.model.entities import Connection, Queue
 from cpgbroker.model.events import Throttle
-from cpgbroker.model.memory import MemoryMark
 from cpgbroker.model.output import Output
+from cpgbroker.model.resources.memory import MemoryMark
 
 
 class QueueFlow:

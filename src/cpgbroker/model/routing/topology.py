@@ -37,6 +37,7 @@ from typing import Any
 from pamqp import commands
 
 from cpgbroker.errors import ChannelError, ConnectionError_, InvariantError, ReplyCode
+from cpgbroker.model.access.permissions import CONFIGURE, READ, WRITE, Permissions
 from cpgbroker.model.changes import Recording
 from cpgbroker.model.entities import (
     Channel,
@@ -45,19 +46,18 @@ from cpgbroker.model.entities import (
     QueueBinding,
     detach_unacked,
 )
-from cpgbroker.model.exchange import EXCHANGE_TYPES, Binding, Exchange
-from cpgbroker.model.limits import (
+from cpgbroker.model.output import Clock, Output, queue_declare_ok
+from cpgbroker.model.resources.limits import (
     Limits,
     check_new_binding,
     check_new_exchange,
     check_new_queue,
 )
-from cpgbroker.model.memory import MemoryMark
-from cpgbroker.model.output import Clock, Output, queue_declare_ok
-from cpgbroker.model.permissions import CONFIGURE, READ, WRITE, Permissions
-from cpgbroker.model.policies import Policies
-from cpgbroker.model.queueargs import QUEUE_ARGS, apply_queue_args, fmt
-from cpgbroker.model.ttlindex import QueueKey, TtlQueues
+from cpgbroker.model.resources.memory import MemoryMark
+from cpgbroker.model.routing.exchange import EXCHANGE_TYPES, Binding, Exchange
+from cpgbroker.model.routing.policies import Policies
+from cpgbroker.model.routing.queueargs import QUEUE_ARGS, apply_queue_args, fmt
+from cpgbroker.model.routing.ttlindex import QueueKey, TtlQueues
 from cpgbroker.model.versions import EXACT_FIELD_TABLES, ModelVersion
 from cpgbroker.wire.fastpath import DIRECT_REPLY as _DIRECT_REPLY_BYTES
 from cpgbroker.wire.fieldtable import Table, decode_table
@@ -419,7 +419,7 @@ class Topology:
 
     def _arguments_table(self, m: Any) -> Table | None:
         """A client's binding arguments as our codec reads them (model version 8: what a
-        headers exchange matches with, model/exchange.py); None before, or for a binding no
+        headers exchange matches with, model/routing/exchange.py); None before, or for a binding no
         client sent."""
         raw = getattr(m, "raw_arguments", None)
         if raw is None or not self._version.at_least(EXACT_FIELD_TABLES):
@@ -617,7 +617,7 @@ class Topology:
 
     def add_queue(self, q: Queue) -> None:
         """Hold ``q`` (new, as the primary declared it: a backup applying a change batch,
-        model/replica.py), in its vhost, added if missing."""
+        model/standby/replica.py), in its vhost, added if missing."""
         vh = self.vhosts.get(q.vhost) or self.add_vhost(q.vhost)
         if q.name in vh.queues:
             raise InvariantError(f"queue {q.name!r} declared but already there")

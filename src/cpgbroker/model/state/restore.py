@@ -1,4 +1,4 @@
-"""Restoring the broker model from a snapshot (``model/snapshot.py``), part by part.
+"""Restoring the broker model from a snapshot (``model/state/snapshot.py``), part by part.
 
 A member receiving a state update restores while it does other work (:class:`Restorer`
 takes the parts in the order ``snapshot.parts`` yields them); a store restores its
@@ -36,7 +36,7 @@ from cpgbroker.model.entities import (
     TxPublish,
 )
 from cpgbroker.model.federation import Upstream
-from cpgbroker.model.topology import VHost
+from cpgbroker.model.routing.topology import VHost
 from cpgbroker.model.versions import NEWEST, OLDEST, supports
 from cpgbroker.wire import fastpath as fp
 from cpgbroker.wire.framer import FrameReader
@@ -266,7 +266,7 @@ class Restorer:
                     self._entry(raw),
                     None if ctag is None else ch.consumers.get(ctag),
                     # Its time from model version 8 on (snapshot._channel); at 7 nothing
-                    # reads it (the switch to 8 sets it anew: model/consumertimeout.py).
+                    # reads it (the switch to 8 sets it anew: model/messages/consumertimeout.py).
                     row[4] if len(row) > 4 else 0,
                 )
             self.messages += len(chd["unacked"])

@@ -79,12 +79,13 @@ class MemoryMark:
 
     def add(self, size: int) -> None:
         """``size`` body bytes joined a queue without a publish (a backup applying a change
-        batch: model/replica.py); publishers are blocked by the primary's mark, not here."""
+        batch: model/standby/replica.py); publishers are blocked by the primary's mark, not here."""
         self.queued_bytes += size
 
     def recount(self, queued_bytes: int) -> None:
         """The queues hold ``queued_bytes`` in all (a backup installing the primary's
-        definitions: model/replica.py; a replica restored from the back: model/restore.py)."""
+        definitions: model/standby/replica.py; a replica restored from the back:
+        model/state/restore.py)."""
         self.queued_bytes = queued_bytes
 
     def restore(
@@ -136,6 +137,6 @@ class MemoryMark:
                 elif not blocked and conn.blocked_sent:
                     out.send_method(conn, 0, commands.Connection.Unblocked())
                     conn.blocked_sent = False
-            # A connection a queue holds back (model/queueflow.py) stays paused.
+            # A connection a queue holds back (model/resources/queueflow.py) stays paused.
             if conn.published and (blocked or not conn.flow_pauses):
                 out.effect(Throttle(conn.id, blocked))

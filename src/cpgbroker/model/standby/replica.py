@@ -35,7 +35,7 @@ A backup does per message what appending to a deque and removing from it do, plu
 the record: no frame parsing, routing, consumer or channel bookkeeping
 (``bench/shipping_bench.py``).
 
-The batch's layout is ``model/changebatch.py``'s, which reads it and hands this component
+The batch's layout is ``model/standby/changebatch.py``'s, which reads it and hands this component
 each record in turn. A batch that does not decode or does not apply is an
 ``InvariantError``: the member stops rather than run diverged.
 
@@ -55,17 +55,17 @@ from collections.abc import Iterable
 from typing import Any
 
 from cpgbroker.errors import InvariantError
-from cpgbroker.model import changebatch
+from cpgbroker.model.access.users import Users
 from cpgbroker.model.canonical import decode, queue_from_meta, restore_user, vhost_from_part
 from cpgbroker.model.config import Policy
-from cpgbroker.model.delivery import Delivery
 from cpgbroker.model.entities import Entry, Message, PriorityMessages, Queue
 from cpgbroker.model.federation import Federation, Upstream
-from cpgbroker.model.memory import MemoryMark
+from cpgbroker.model.messages.delivery import Delivery
 from cpgbroker.model.output import Clock, Output
-from cpgbroker.model.policies import Policies
-from cpgbroker.model.topology import Topology
-from cpgbroker.model.users import Users
+from cpgbroker.model.resources.memory import MemoryMark
+from cpgbroker.model.routing.policies import Policies
+from cpgbroker.model.routing.topology import Topology
+from cpgbroker.model.standby import changebatch
 from cpgbroker.model.versions import OLDEST, ModelVersion
 
 
@@ -123,7 +123,7 @@ class Replication:
         # queue order. Counted in ``Queue.unacked``.
         self._front: dict[tuple[str, str], dict[int, Entry]] = {}
         # While a batch is applied: its refs -> the queue, its index of messages by id and its
-        # front (model/changebatch.py); empty between batches.
+        # front (model/standby/changebatch.py); empty between batches.
         self._refs: dict[int, tuple[Queue, dict[int, Entry], dict[int, Entry]]] = {}
         # Replaying the stream after a state update that left out messages consumed while
         # it was sent (snapshot.parts, ``gone``): a record for a message that is not here

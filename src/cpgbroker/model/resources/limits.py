@@ -52,7 +52,7 @@ class Limits:
     vhost_connections: dict[str, int] = attrs.Factory(dict)
     user_connections: dict[str, int] = attrs.Factory(dict)
     user_channels: dict[str, int] = attrs.Factory(dict)
-    # The users by name (model/users.py's ``Users.by_name``: the broker's replicated users,
+    # The users by name (model/access/users.py's ``Users.by_name``: the broker's replicated users,
     # given by ``configure``; compared there, not here).
     users: dict[str, User] = attrs.field(init=False, factory=dict, eq=False, repr=False)
 

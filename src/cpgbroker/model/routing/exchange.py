@@ -8,7 +8,7 @@ Headers exchanges compare a binding's arguments with a message's ``headers``. At
 7 both are read with pamqp (:func:`headers_match`). From model version 8
 (``versions.EXACT_FIELD_TABLES``) the headers are read with our codec (``wire/fieldtable.py``)
 and compared as RabbitMQ 3.10.8's ``rabbit_exchange_type_headers`` does
-(``model/headersmatch.py``); see there for what that means and what still differs.
+(``model/routing/headersmatch.py``); see there for what that means and what still differs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Union
 import attrs
 
 from cpgbroker.model.entities import IdList, Message, Queue, QueueBinding
-from cpgbroker.model.headersmatch import (
+from cpgbroker.model.routing.headersmatch import (
     ExactSpec,
     exact_names,
     exact_spec,
@@ -120,7 +120,7 @@ class Exchange:
     # Source exchange -> how many of its bindings lead here.
     sources: dict[Exchange, int] = attrs.Factory(dict)
     bind_seq: int = 0
-    # Derived (model/policies.py, re-applied on restore): the policy that applies, by name,
+    # Derived (model/routing/policies.py, re-applied on restore): the policy that applies, by name,
     # and the alternate exchange it names.
     policy: str | None = None
     policy_alternate: str | None = None

@@ -1,8 +1,8 @@
 """Headers exchanges at model version 8 (``versions.EXACT_FIELD_TABLES``): a message's headers
 read with our codec (``wire/fieldtable.py``) and compared with a binding's arguments as
 RabbitMQ 3.10.8's ``rabbit_exchange_type_headers`` compares them. Pure functions:
-``model/exchange.py`` keeps the bindings and their index and calls :func:`exact_spec` when it
-binds and :func:`headers_match_exact` when it routes (version 7 matches with pamqp's values,
+``model/routing/exchange.py`` keeps the bindings and their index and calls :func:`exact_spec` when
+it binds and :func:`headers_match_exact` when it routes (version 7 matches with pamqp's values,
 ``exchange.headers_match``).
 """
 

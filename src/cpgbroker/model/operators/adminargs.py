@@ -1,4 +1,4 @@
-"""The arguments and answers of operators' changes (model/admin.py): RabbitMQ's management
+"""The arguments and answers of operators' changes (model/operators/admin.py): RabbitMQ's management
 API answers, and the checks every op makes of the JSON it is given, so that a malformed
 request is the same 400 on every replica and never an error of the member."""
 
@@ -10,7 +10,7 @@ import urllib.parse
 from typing import Any
 
 from cpgbroker.errors import AMQPError, CpgBrokerError, ReplyCode
-from cpgbroker.model.permissions import compile_pattern
+from cpgbroker.model.access.permissions import compile_pattern
 
 R = ReplyCode
 Answer = tuple[int, Any]

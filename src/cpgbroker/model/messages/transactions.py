@@ -20,12 +20,12 @@ from typing import Any
 from pamqp import commands
 
 from cpgbroker.errors import ChannelError, ReplyCode
-from cpgbroker.model.consumers import Consumers
-from cpgbroker.model.delivery import Delivery
 from cpgbroker.model.entities import Channel, Connection, TxAck, TxPublish
-from cpgbroker.model.memory import MemoryMark
+from cpgbroker.model.messages.consumers import Consumers
+from cpgbroker.model.messages.delivery import Delivery
 from cpgbroker.model.output import Output
-from cpgbroker.model.topology import VHost
+from cpgbroker.model.resources.memory import MemoryMark
+from cpgbroker.model.routing.topology import VHost
 
 R = ReplyCode
 

@@ -1,6 +1,6 @@
 """The change batch: a hot-standby primary's records (``model/changes.py``) on the wire, written
 by :func:`encode` (``model/shipping.py``'s ``Shipper``) and read by :func:`decode` (a backup's
-``model/replica.py``, which applies what it reads).
+``model/standby/replica.py``, which applies what it reads).
 
 A batch crosses the network to members that may run another build, so its layout is fixed and
 versioned by its first byte (:data:`BATCH_FORMAT`): no pickle or marshal. It is, in order:

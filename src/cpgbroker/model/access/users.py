@@ -2,7 +2,7 @@
 
 The configuration only seeds them (a new cluster starts with the TOML's ``[[users]]``); from
 then on ``cpgbroker ctl add_user`` / ``set_permissions`` and the management API change them
-through :class:`~cpgbroker.model.events.AdminCommand` events (model/admin.py), so every
+through :class:`~cpgbroker.model.events.AdminCommand` events (model/operators/admin.py), so every
 member changes them at the same point of the order, snapshots carry them to newcomers and
 stores, and the digest compares them.
 
@@ -20,9 +20,9 @@ from collections.abc import Iterable
 
 import attrs
 
-from cpgbroker.model import auth
+from cpgbroker.model.access import auth
+from cpgbroker.model.access.permissions import Permissions
 from cpgbroker.model.config import Permission, User
-from cpgbroker.model.permissions import Permissions
 
 
 def seed_salt(name: str) -> bytes:

@@ -61,9 +61,10 @@ FIELDS = (CONFIGURE, WRITE, READ)
 MAX_PATTERN_BYTES = 1024
 # Results kept before the caches start again (a few MiB at most).
 CACHE_MAX = 10_000
-# Who an operator holding a member's admin secret acts as (model/admin.py): every permission.
-# No user can have this name: NUL is not allowed in a user name (model/admin.py refuses it,
-# and a login's name never carries one past SASL PLAIN, which splits on NUL).
+# Who an operator holding a member's admin secret acts as (model/operators/admin.py): every
+# permission. No user can have this name: NUL is not allowed in a user name
+# (model/operators/admin.py refuses it, and a login's name never carries one past SASL PLAIN, which
+# splits on NUL).
 TRUSTED = "\x00admin-secret"
 
 # A compiled pattern, or True for ".*" (everything: nothing to run).
@@ -126,7 +127,7 @@ def _matches(m: _Matcher, name: str) -> bool:
 class Permissions:
     """Owns the compiled permissions of every user and the cached results. Reads a
     connection's ``user`` and ``vhost``; never changes anything but its caches. The users are
-    model/users.py's, which calls :meth:`load` whenever one changes."""
+    model/access/users.py's, which calls :meth:`load` whenever one changes."""
 
     __slots__ = ("_grants", "_known", "published")
 

@@ -42,15 +42,9 @@ from pamqp import commands
 
 from cpgbroker.errors import ChannelError, ConnectionError_, ReplyCode
 from cpgbroker.model import entities as E
+from cpgbroker.model.access.permissions import Permissions
 from cpgbroker.model.changes import Recording
 from cpgbroker.model.config import BrokerConfig
-from cpgbroker.model.confirms import Confirms
-from cpgbroker.model.deadletter import (
-    dead_letter_header,
-    dead_letter_header_exact,
-    is_cycle,
-    is_cycle_exact,
-)
 from cpgbroker.model.entities import (
     Channel,
     Connection,
@@ -63,14 +57,20 @@ from cpgbroker.model.entities import (
     put_back,
 )
 from cpgbroker.model.events import WantOutput
-from cpgbroker.model.exchange import Exchange
-from cpgbroker.model.memory import MemoryMark
+from cpgbroker.model.messages.confirms import Confirms
+from cpgbroker.model.messages.validate import dead_letter_problem
 from cpgbroker.model.output import Clock, Output, basic_return
-from cpgbroker.model.permissions import Permissions
-from cpgbroker.model.queueflow import QueueFlow
-from cpgbroker.model.topology import FAILOVER_EXCHANGE, VHost, reply_queue_of
-from cpgbroker.model.ttlindex import TtlQueues
-from cpgbroker.model.validate import dead_letter_problem
+from cpgbroker.model.resources.memory import MemoryMark
+from cpgbroker.model.resources.queueflow import QueueFlow
+from cpgbroker.model.routing.deadletter import (
+    dead_letter_header,
+    dead_letter_header_exact,
+    is_cycle,
+    is_cycle_exact,
+)
+from cpgbroker.model.routing.exchange import Exchange
+from cpgbroker.model.routing.topology import FAILOVER_EXCHANGE, VHost, reply_queue_of
+from cpgbroker.model.routing.ttlindex import TtlQueues
 from cpgbroker.model.versions import EXACT_FIELD_TABLES, ModelVersion
 from cpgbroker.wire.fastpath import (
     DIRECT_REPLY,
@@ -177,12 +177,12 @@ class Delivery:
         # ``requeue``).
         self._changes = changes
         # A delivery to ack from another queue than its channel's last one (or its first):
-        # consumer timeouts look at it (model/consumertimeout.py; set by the broker).
+        # consumer timeouts look at it (model/messages/consumertimeout.py; set by the broker).
         self.on_unacked: Callable[[Channel, Queue], None] = _untimed
 
     def set_msg_seq(self, msg_seq: int) -> None:
         """The message counter is ``msg_seq`` (a snapshot's, or the primary's from each change
-        batch: model/replica.py): the next message published gets the id after it."""
+        batch: model/standby/replica.py): the next message published gets the id after it."""
         self.msg_seq = msg_seq
 
     # ------------------------------------------------------------------ publishing
@@ -311,8 +311,8 @@ class Delivery:
             )
         at = info.direct_reply_at
         if at >= 0:
-            # Direct reply-to (model/topology.py): the answer's address is this channel's own
-            # reply queue, spliced into the client's header bytes in place of the pseudo-queue
+            # Direct reply-to (model/routing/topology.py): the answer's address is this channel's
+            # own reply queue, spliced into the client's header bytes in place of the pseudo-queue
             # (the headers table, whose span the message keeps, comes before reply-to).
             rq = reply_queue_of(ch)
             if rq is None:

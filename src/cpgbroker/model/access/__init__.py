@@ -1,0 +1,1 @@
+"""Who may do what: users, password hashes in RabbitMQ's format, permissions."""

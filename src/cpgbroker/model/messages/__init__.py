@@ -1,0 +1,2 @@
+"""Messages through queues to consumers: publish, deliver, ack, confirms, transactions, consumer
+timeouts."""

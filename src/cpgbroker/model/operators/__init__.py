@@ -1,0 +1,1 @@
+"""Operators' changes and federation links' messages, applied in the event order."""

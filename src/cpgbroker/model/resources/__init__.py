@@ -1,0 +1,1 @@
+"""What clients may make the cluster hold: the memory mark, resource limits, queue flow."""

@@ -1,0 +1,1 @@
+"""A model as data: snapshots, digests, state-update parts, and a broker restored from them."""
