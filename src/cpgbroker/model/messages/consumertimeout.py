@@ -277,12 +277,12 @@ def _oldest(ch: Channel) -> Any:
     upto = 0
     single: dict[int, None] = {}
     for op in ch.tx_ops:
-        if type(op) is TxPublish:
+        if isinstance(op, TxPublish):
             continue
-        if op.multiple:  # type: ignore[union-attr]
-            upto = max(upto, op.tag or ch.next_tag)  # type: ignore[union-attr]
+        if op.multiple:
+            upto = max(upto, op.tag or ch.next_tag)
         else:
-            single[op.tag] = None  # type: ignore[union-attr]
+            single[op.tag] = None
     for tag, item in unacked.items():
         if tag > upto and tag not in single:
             return item

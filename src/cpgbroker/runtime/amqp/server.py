@@ -237,42 +237,38 @@ class AmqpServer:
                 if type(eff) is AdminReply and self.desk is not None:
                     self.desk.answered(eff)
                 continue
-            t = type(eff)
-            if t is Send:
-                if hold is not None and (
-                    lc.held
-                    or eff.confirm  # type: ignore[union-attr]
-                    or eff.delivery_waits  # type: ignore[union-attr]
-                ):
+            # type(eff) is ...: mypy narrows the effect by it, as it does not by a saved type.
+            if type(eff) is Send:
+                if hold is not None and (lc.held or eff.confirm or eff.delivery_waits):
                     # A confirm (shipping changes: some deliveries too) waits until its event
                     # is stable; anything after it for the same connection waits behind it.
-                    hold(lc, eff)  # type: ignore[arg-type]
+                    hold(lc, eff)
                     continue
-                self.write(lc, eff.data)  # type: ignore[union-attr]
+                self.write(lc, eff.data)
                 self.answer_expected = True
-            elif t is WantOutput:
+            elif type(eff) is WantOutput:
                 lc.want_output = True
                 lc.wake.set()
-            elif t is CloseConnection:
+            elif type(eff) is CloseConnection:
                 lc.model_closed = True
                 if lc.held:
                     # After the held output, like every close: whole frames, in order.
                     assert self._gate is not None
-                    self._gate.hold_close(lc, eff.reason)  # type: ignore[union-attr]
+                    self._gate.hold_close(lc, eff.reason)
                     continue
-                self.begin_close(lc, eff.reason)  # type: ignore[union-attr]
-            elif t is LoginRefused:
+                self.begin_close(lc, eff.reason)
+            elif type(eff) is LoginRefused:
                 # Who and why, never the secret (the client was told to see the log).
                 log.warning(
                     "login refused conn=%s peer=%s user=%r mechanism=%s reason=%r",
                     eff.conn,
                     lc.peer,
-                    eff.user,  # type: ignore[union-attr]
-                    eff.mechanism,  # type: ignore[union-attr]
-                    eff.why,  # type: ignore[union-attr]
+                    eff.user,
+                    eff.mechanism,
+                    eff.why,
                 )
-            elif t is Throttle:
-                lc.paused = eff.paused  # type: ignore[union-attr]
+            elif type(eff) is Throttle:
+                lc.paused = eff.paused
                 if not lc.paused:
                     lc.resume.set()
                     lc.resume = trio.Event()

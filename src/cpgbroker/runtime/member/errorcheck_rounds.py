@@ -102,10 +102,10 @@ class ErrorChecks:
     def on_error_check(self, e: ErrorCheck) -> None:
         actions = self.stall.on_error_check(e, self._membership.ready_members, self._stops.halted)
         for a in actions:
-            if type(a) is Answer:
+            if isinstance(a, Answer):
                 self._answer([a])
             else:
-                self.settle(a.round)  # type: ignore[union-attr]
+                self.settle(a.round)
 
     def pay_owed(self, seq: int) -> None:
         """This member has applied event ``seq``: the answers it owed up to it."""
