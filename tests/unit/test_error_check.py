@@ -26,6 +26,7 @@ from cpgbroker.model import snapshot
 from cpgbroker.model.events import ClientData, Tick
 from cpgbroker.runtime.config.settings import ClusterConfig, ServerConfig
 from cpgbroker.runtime.member.member import ClusterNode, member_id
+from cpgbroker.runtime.process.assembly import assemble
 from fakecpg import Bus, FakeCpg, FakeQuorum
 from nodeharness import (
     Client,
@@ -336,7 +337,7 @@ def test_a_member_that_caught_up_past_an_event_the_cluster_failed_takes_a_fresh_
     def newcomer(quorum: FakeQuorum | None) -> ClusterNode:
         cfg = ServerConfig(cluster=ClusterConfig(group="g", size=3))
         cpg = FakeCpg(Bus(), 3)
-        return ClusterNode(cfg, cpg, member_id(3, 1000), quorum=quorum)  # type: ignore[arg-type]
+        return assemble(cfg, cpg, member_id(3, 1000), quorum=quorum)  # type: ignore[arg-type]
 
     m1, m2 = member_id(1, 1000), member_id(2, 1000)
     failed = Round(

@@ -9,10 +9,15 @@ every decision at the same point of the order.
 
 Theory of operation
 -------------------
-:class:`ClusterNode` is a coordinator. It owns the model and the deliver loop: it takes CPG
-deliveries in total order, routes each item to the component whose job it is and executes
-what they return. Each component owns its state and never imports this module:
+:class:`ClusterNode` is a coordinator. It owns the deliver loop: it takes CPG deliveries in
+total order, routes each item to the component whose job it is and executes what they return.
+It builds only its own components; the process wing builds the rest and hands them in as one
+:class:`~cpgbroker.runtime.member.parts.Parts` (``runtime/process/assembly.py``). Each
+component owns its state and never imports this module:
 
+* ``runtime/member/stream.py``: the broker the stream is applied to (swapped on a state
+  update's install and on resuming a kept state), how far every member stands (applied,
+  stable, durable, lag, the progress report), and whether this member serves;
 * ``runtime/amqp/server.py`` :class:`~cpgbroker.runtime.amqp.server.AmqpServer`: client I/O; it is
   given the replication mode's sequencer and the confirm gate;
 * ``runtime/replication/modes.py``: the replication mode (replaying client bytes, or shipping
@@ -39,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -67,7 +71,6 @@ from cpgbroker.cluster.membership import (
     ApplyToModel,
     BecomeReady,
     Fatal,
-    Membership,
     NeedUpdate,
     ResumeState,
     SendHello,
@@ -75,7 +78,6 @@ from cpgbroker.cluster.membership import (
     member_id,
 )
 from cpgbroker.cluster.merge import Partitions
-from cpgbroker.cluster.progress import PeerProgress
 from cpgbroker.corosync.events import (
     ConfChg,
     CpgEvent,
@@ -95,28 +97,20 @@ from cpgbroker.model.events import (
     Recovered,
     Tick,
 )
-from cpgbroker.runtime.admin.admindesk import AdminDesk
-from cpgbroker.runtime.amqp.confirms import ConfirmGate
-from cpgbroker.runtime.amqp.server import AmqpServer, ClientStream, forced_close_frame
-from cpgbroker.runtime.config.digest import config_digest
+from cpgbroker.runtime.amqp.server import ClientStream, forced_close_frame
 from cpgbroker.runtime.config.settings import ServerConfig
-from cpgbroker.runtime.federation.links import FederationLinks, client_context
 from cpgbroker.runtime.member.applytimes import APPLY_SAMPLE, ApplyTimes
 from cpgbroker.runtime.member.checkpoints import Checkpointer
-from cpgbroker.runtime.member.cpg_trio import TrioCpg
 from cpgbroker.runtime.member.errorcheck_rounds import ErrorChecks
-from cpgbroker.runtime.member.eventlog import EventLog
-from cpgbroker.runtime.member.lease import LAPSED, PrimaryLease
-from cpgbroker.runtime.member.multicast import Multicaster
+from cpgbroker.runtime.member.lease import LAPSED
+from cpgbroker.runtime.member.parts import Parts
 from cpgbroker.runtime.member.quorum_trio import TrioQuorum
 from cpgbroker.runtime.member.ringgate import VERDICT_TIMEOUT, RingGate
-from cpgbroker.runtime.member.stops import STOP_SETTLE, Stops
+from cpgbroker.runtime.member.stops import STOP_SETTLE
+from cpgbroker.runtime.member.stream import admin_settled, version_verdict
 from cpgbroker.runtime.member.watchdog import ApplyMark
-from cpgbroker.runtime.replication.modes import ReplayingBytes, Replication, ShippingChanges
-from cpgbroker.runtime.replication.shipping import Shipping
-from cpgbroker.runtime.replication.standby import HotStandby, primary_of
-from cpgbroker.runtime.update.giving import DeferredUpdate, Updater
-from cpgbroker.runtime.update.taking import Newcomer
+from cpgbroker.runtime.replication.standby import primary_of
+from cpgbroker.runtime.update.giving import DeferredUpdate
 from cpgbroker.store.store import Store
 
 log = logging.getLogger("cpgbroker.member")
@@ -163,86 +157,62 @@ class ClusterNode:
     def __init__(
         self,
         config: ServerConfig,
-        cpg: TrioCpg,
-        member: int,
+        parts: Parts,
         *,
         quorum: TrioQuorum | None = None,
         inherited: Inherited | None = None,
     ) -> None:
+        """``parts`` are what the process wing built for this incarnation
+        (``runtime/process/assembly.py``): the member builds only its own components."""
         cluster = config.cluster
         assert cluster is not None
         inherited = Inherited() if inherited is None else inherited
-        kept, store, forced = inherited.kept, inherited.store, inherited.forced
         self.config = config
-        self.member = member
+        stream = self.stream = parts.stream
+        self.member = member = stream.me
         # Without a quorum handle (unit tests on an in-memory bus) nothing is gated.
         self.quorum = quorum
-        # Set when this member stopped serving for good in this incarnation (quorum lost,
-        # or merged back on the smaller side): why, for logs, clients and status.
-        self.suspended: str | None = None
-        # Set when this member must leave the cluster: why.
-        self.failure: str | None = None
+        self.service = parts.service
         self.scope: trio.CancelScope | None = None
         # Holds ring changes until votequorum's verdict on the new ring.
         self.gate = None if quorum is None else RingGate(quorum)
         # The model a previous incarnation held when quorum was lost, or the process recovered
         # from its store, with its history epoch: offered in our hellos, resumed only if no
         # member serves (the whole cluster lost quorum or stopped).
-        self.kept = kept
+        self.kept = inherited.kept
         # The kept model was recovered from the store after the process (re)started: resuming
         # it drops what a broker restart drops (``Recovered``).
         self.restarted = inherited.restarted
-        # This member's durable store (None: memory only). It journals every applied event.
-        self.store = store
         # Its state must not be offered again when it rejoins (it holds what the serving
         # members do not): merged back on the smaller side, or applied an event the cluster
         # failed while it was catching up.
         self.discard_state = False
-        self.ready = trio.Event()
-        self.broker = Broker(config.broker)
         # A forced boot (``--force-boot``) does not wait for the other members' stores.
-        self.forced = forced
-        # ``[store] recover_with = "majority"``: a majority of ``size`` decides a restart,
-        # and confirms that wait for the stores need that many serving.
-        self.store_quorum = (
-            cluster.size // 2 + 1
-            if config.store is not None and config.store.recover_with == "majority"
-            else 0
-        )
-        self.membership = Membership(
-            member,
-            1 if forced else cluster.size,
-            # A member with kept state announces its version; one without, the lowest it
-            # applies (what a member of an older release expects to hear).
-            OLDEST if kept is None else kept[0].version.current,
-            config_digest(config),
-            cluster.url,
-            self.store_quorum,
-            (OLDEST, NEWEST),
-        )
-        self.progress = PeerProgress(member, cluster.max_lag)
-        self.multicast = Multicaster(cpg, self.progress, self.lag, self.report)
+        self.forced = inherited.forced
+        # The same objects as the stream's, bound here for the hot path (never swapped).
+        self.store = stream.store
+        self.membership = stream.membership
+        self.progress = stream.progress
+        self.multicast = parts.multicast
         send = self.multicast.send_control
-        # Hot standby: who takes clients (runtime/replication/standby.py); None: every member does.
-        self.standby = (
-            HotStandby(member, lambda: self.membership, lambda: self.serving)
-            if cluster.mode == "hot-standby"
-            else None
-        )
-        self._build_wings(config, cpg, inherited)
+        self.standby = parts.standby
+        self.replication = parts.replication
+        self.confirms = parts.confirms
+        self.io = parts.io
+        self.desk = parts.desk
+        self.federation = parts.federation
         # A sample of how long events take to apply (runtime/member/applytimes.py).
         self.apply_times = ApplyTimes()
-        self.broker.set_local_member(member)
-        self.eventlog = EventLog(cluster.event_log, member, inherited.incarnation)
+        self.eventlog = parts.eventlog
         self.checkpoints = Checkpointer(
             member, cluster.checkpoint_every, send, self.eventlog, self._vouches
         )
         self.partitions = Partitions()
-        self.newcomer = Newcomer(member, self.membership, config.broker, send, self._install)
-        self.updater = Updater(
-            member, inherited.incarnation, cluster.update_rate_limit, inherited.updates
-        )
-        self.stops = Stops(member, self.multicast, self.eventlog)
+        self.newcomer = parts.newcomer
+        self.updater = parts.updater
+        self.stops = parts.stops
+        # Read on the hot path (one attribute load): is this member held by a round?
+        self.stall = stream.stall
         self.errorchecks = ErrorChecks(
             member,
             self.membership,
@@ -250,64 +220,31 @@ class ClusterNode:
             self.eventlog,
             self.stops,
             self.newcomer,
+            self.stall,
             fail_event=self._fail_event,
             recorded=self._report_and_digest,
             replay=self._replay_kept,
             resync=self._resync,
         )
-        # Read on the hot path (one attribute load): is this member held by a round?
-        self.stall = self.errorchecks.stall
         # The event being applied, for the watchdog's feeder thread (runtime/member/watchdog.py).
         self.applying = ApplyMark() if inherited.applying is None else inherited.applying
 
-    def _build_wings(self, config: ServerConfig, cpg: TrioCpg, inherited: Inherited) -> None:
-        """The parts of other wings the member drives (the replication mode, the clients'
-        side with its confirm gate, the admin desk, the federation links), each built on the
-        one before; the mode is handed the rest in one attach. Kept apart from the member's
-        own components so that a builder in the process wing can take them over whole."""
-        cluster = config.cluster
-        assert cluster is not None
-        member = self.member
-        # How this member's clients' changes reach the others (runtime/replication/modes.py):
-        # the member calls it wherever the modes differ, without asking which one it is.
-        self.replication = self._replication(config, cpg)
-        replication = self.replication
-        self.confirms = ConfirmGate(replication.number)
-        self.io = AmqpServer(
-            config,
-            member,
-            sequencer=replication.sequencer,
-            gate=self.confirms,
-            conn_counter=inherited.conn_counter,
-        )
-        # Operators' changes: answered once as safe as a durable confirm.
-        self.desk = AdminDesk(
-            member, replication.submit_admin, replication.number, settled=self._admin_settled
-        )
-        self.io.desk = self.desk
-        # The federation links this member runs (runtime/federation/links.py).
-        self.federation = FederationLinks(
-            member,
-            config.broker.server_id,
-            # Without a server id, the CPG group names the cluster upstream (stable across
-            # restarts, unlike member ids: the upstream queue must keep its name).
-            config.broker.server_id or cluster.group,
-            self.desk,
-            lambda: self.view,
-            lambda: replication.link_members(self.membership),
-            lambda: self.serving and self.stops.halted is None and replication.active,
-            client_context(config.tls),
-            cluster_name=config.broker.cluster_name,
-        )
-        replication.attach(
-            self.io,
-            self.confirms,
-            self.desk,
-            stored=inherited.store is not None,
-            on_cut=self.federation.applied,
-            heartbeat=lambda: self.multicast.send_control(self.report()),
-            lapsed=self._lease_lapsed,
-        )
+    @property
+    def broker(self) -> Broker:
+        """The broker the stream is applied to now (swapped on install and resume)."""
+        return self.stream.broker
+
+    @property
+    def ready(self) -> trio.Event:
+        return self.service.ready
+
+    @property
+    def suspended(self) -> str | None:
+        return self.service.suspended
+
+    @property
+    def failure(self) -> str | None:
+        return self.service.failure
 
     # ------------------------------------------------------------------ for the process
 
@@ -334,32 +271,7 @@ class ClusterNode:
             tasks.append(functools.partial(standby.watch, self.io.close_all))
         return [*tasks, *self.replication.tasks()]
 
-    def _replication(self, config: ServerConfig, cpg: TrioCpg) -> Replication:
-        """The replication mode of the configuration (runtime/replication/modes.py)."""
-        cluster = config.cluster
-        assert cluster is not None
-        if cluster.replication != "changes":
-            return ReplayingBytes(self.multicast, self._event_seq)
-        # Shipping changes needs hot standby (the configuration says so).
-        assert self.standby is not None
-        shipping = Shipping(
-            self.member,
-            cluster.replicate,
-            config.tick_ms,
-            self.multicast.submit_nowait,
-            lambda: self.multicast.queued_bytes,
-        )
-        return ShippingChanges(
-            shipping,
-            self.standby,
-            # The primary keeps its clients while the ring carries its messages
-            # (runtime/member/lease.py).
-            PrimaryLease(lambda: cpg.last_own_sent_at),
-            self._version_verdict,
-            cluster.netns or None,
-        )
-
-    def _lease_lapsed(self, length: float) -> None:
+    def lease_lapsed(self, length: float) -> None:
         """No message of ours came back through the ring for the lease's ``length``: another
         member may be primary by now. Stop serving before a client can tell two apart, and
         come back as a backup (runtime/member/lease.py, "After a lapse")."""
@@ -372,7 +284,7 @@ class ClusterNode:
 
     @property
     def serving(self) -> bool:
-        return self.ready.is_set() and self.suspended is None
+        return self.service.serving
 
     @property
     def halted(self) -> int | None:
@@ -385,7 +297,7 @@ class ClusterNode:
 
     def fail(self, reason: str) -> None:
         """This member must leave the cluster (the process ends the incarnation)."""
-        self.failure = reason
+        self.service.failure = reason
         self.multicast.silenced = True
 
     def state_to_keep(self) -> tuple[Broker, int] | None:
@@ -395,7 +307,7 @@ class ClusterNode:
             return None  # the serving members' state replaces ours
         ring = None if self.gate is None else self.gate.ring
         if self.ready.is_set() and ring is not None:
-            return self.broker, self.epoch()
+            return self.stream.broker, self.epoch()
         # Suspended before serving: still what it was offered with, unless a serving member
         # was seen meanwhile (then that member's state replaces it, and offering the old one
         # again could resume stale state).
@@ -403,12 +315,12 @@ class ClusterNode:
 
     def epoch(self) -> int:
         """The history epoch of this member's state (see cluster/membership.py)."""
-        return 1 if self.store is None else self.store.epoch
+        return self.stream.epoch()
 
     def inject_fault(self, kind: str, at_seq: int, seconds: float = 0.0) -> dict[str, Any]:
         """Make this member fail (or be slow) at event ``at_seq`` (tests; ``[cluster]
         fault_injection``)."""
-        return self.eventlog.inject(kind, at_seq, self.broker.event_seq + 1, seconds)
+        return self.eventlog.inject(kind, at_seq, self.stream.broker.event_seq + 1, seconds)
 
     async def request_stop(self, target: int, timeout: float = 10.0) -> int:
         """Ask ``target`` (0: every member) to stop; the event seq where the request took
@@ -468,62 +380,32 @@ class ClusterNode:
 
     # ------------------------------------------------------------------ progress
 
-    def _event_seq(self) -> int:
-        return self.broker.event_seq
-
     def _vouches(self) -> bool:
         return self.suspended is None and self.stops.halted is None
 
     def lag(self) -> int:
-        """How many events the slowest ready member is behind this one, in applying them or
-        in writing them to its store (a disk slower than the publishers pushes back too)."""
-        seq = self.broker.event_seq
-        lag = self.progress.lag(seq, self.membership.ready_members)
-        if self.store is not None:
-            lag = max(lag, seq - self.durable_seq())
-        return lag
+        return self.stream.lag()
 
     def applied_seq(self) -> int:
-        """The last event this member vouches for (before a failed one it is stalled at)."""
-        return self.stall.applied(self.broker.event_seq)
+        return self.stream.applied_seq()
 
     def stable_seq(self) -> int:
-        """The highest event every ready member (this one included) is known to have
-        applied: confirms for events up to it may go out."""
-        return self.progress.stable(self.applied_seq(), self.membership.ready_members)
+        return self.stream.stable_seq()
 
     def durable_seq(self) -> int:
-        """The last event this member's store holds (all it applied, without a store)."""
-        applied = self.applied_seq()
-        store = self.store
-        return applied if store is None else min(applied, store.durable)
+        return self.stream.durable_seq()
 
     def durable_stable_seq(self) -> int:
-        """The highest event every ready member's store is known to hold: confirms of
-        persistent messages on durable queues up to it may go out."""
-        return self.progress.durable_stable(
-            self.durable_seq(), self.membership.ready_members, self.store_quorum
-        )
+        return self.stream.durable_stable_seq()
 
     def report(self) -> bytes:
-        """Our progress report as of now (at least the events that asked for it)."""
-        return self._progress_report(self.applied_seq())
-
-    def _progress_report(self, seq: int) -> bytes:
-        durable = self.durable_seq()
-        self.progress.durable_reported = durable
-        return codec.encode(Progress(self.member, seq, durable))
+        return self.stream.report()
 
     def _stable_marks(self) -> tuple[int, int | None]:
-        """What held output waits for that every ready member applied, and (None: no store)
-        stored: events, or (shipping changes) our batches."""
-        durable = None if self.store is None else self.durable_stable_seq()
-        return self.replication.stable(self.stable_seq(), durable)
+        return self.stream.stable_marks(self.replication.stable)
 
     def _admin_settled(self) -> int:
-        """The highest event (or batch) whose changes an operator may be told are done."""
-        applied, stored = self._stable_marks()
-        return applied if stored is None else stored
+        return admin_settled(self.stream, self.replication.stable)
 
     def _release_stable(self) -> None:
         applied, stored = self._stable_marks()
@@ -604,7 +486,7 @@ class ClusterNode:
             # waits for every member's report, so report now rather than PROGRESS_EVERY
             # events later (our own clients' confirms need no report from us); and release
             # what the reports received made stable.
-            if self.broker.shadow_confirms != self.progress.confirms_seen:
+            if self.stream.broker.shadow_confirms != self.progress.confirms_seen:
                 self._report_for_confirms()
             self.io.answer_expected = False
             if self.confirms.holding or self.desk.unsettled:
@@ -615,7 +497,7 @@ class ClusterNode:
             self.federation.applied()
 
     def _report_for_confirms(self) -> None:
-        broker = self.broker
+        broker = self.stream.broker
         progress = self.progress
         progress.confirms_seen = broker.shadow_confirms
         if self.store is not None and not progress.confirms_moved(
@@ -639,10 +521,12 @@ class ClusterNode:
         """
         if self.suspended is not None or self.failure is not None:
             return
-        self.suspended = reason
+        self.service.suspended = reason
         self.multicast.silenced = True
         log.error("stopping client service: %s", reason)
-        self.eventlog.write({"type": "suspend", "seq": self.broker.event_seq, "reason": reason})
+        self.eventlog.write(
+            {"type": "suspend", "seq": self.stream.broker.event_seq, "reason": reason}
+        )
         # Output waiting to be stable never goes out: its events may be missing on the quorate
         # side, so its confirms are not owed (the publisher treats those messages as unknown).
         self.confirms.drop()
@@ -726,7 +610,7 @@ class ClusterNode:
         if t is AdminCommand and e.op == RAISE_MODEL_VERSION:
             # Decided here, at its point of the stream, even if an error-check round holds
             # it: the membership goes on changing meanwhile.
-            e = self._version_verdict(e)
+            e = version_verdict(self.membership, e)
         stall = self.stall
         if stall.stalled is not None:
             stall.hold(e, sender)
@@ -741,7 +625,7 @@ class ClusterNode:
         replication = self.replication
         if not replication.takes(e, sender, self.membership):
             return
-        broker = self.broker
+        broker = self.stream.broker
         seq = broker.event_seq + 1
         mark = self.applying
         mark.seq = seq
@@ -772,45 +656,12 @@ class ClusterNode:
         if (
             raising or type(e) is Changes
         ) and broker.version.current != self.membership.model_version:
-            self._set_version(broker.version.current)
+            self.stream.set_version(broker.version.current)
         if type(e) is ClientConnected and e.member != self.member:
             broker.set_emit(e.conn, False)
         else:
             replication.applied(broker, sender, self.updater)
         self._after_apply(e, sender)
-
-    def _version_verdict(self, e: AdminCommand) -> AdminCommand:
-        """The operator's ``cluster upgrade-finish`` carries, from here on (the store journals
-        it so, and a restart replays it so), whether every member applies the version it asks
-        for: the membership at this point of the stream decides, alike on every member."""
-        try:
-            args = json.loads(e.args)
-        except ValueError:
-            return e  # the model answers 400
-        if not isinstance(args, dict) or isinstance(args.get("refused"), str):
-            return e
-        version = args.get("version")
-        if not isinstance(version, int):
-            return e
-        refused = self.membership.refuse_version(version)
-        if refused is None:
-            return e
-        args["refused"] = refused
-        return attrs.evolve(e, args=json.dumps(args).encode())
-
-    def _set_version(self, version: int) -> None:
-        """This member's state runs model ``version`` from here on."""
-        before = self.broker.version.current
-        self.broker.version.adopt(version)
-        self.membership.model_version = version
-        if self.store is not None:
-            # Before the events of the new version are journaled: a release that cannot
-            # apply them never recovers this store.
-            self.store.set_model_version(version)
-        if version != before:
-            log.info(
-                "model version %d (was %d) from event %d", version, before, self.broker.event_seq
-            )
 
     def _after_apply(self, e: Any, sender: int, failed: bool = False) -> None:
         if self.suspended is not None:
@@ -818,8 +669,8 @@ class ClusterNode:
             return
         store = self.store
         if store is not None:
-            seq = self.broker.event_seq
-            err = store.record(seq, e, self.broker, failed)
+            seq = self.stream.broker.event_seq
+            err = store.record(seq, e, self.stream.broker, failed)
             if err is not None:
                 # The store could not write (or fsync) an event: it can no longer vouch for
                 # what this member applies. Whether the member may go on is the cluster's call
@@ -829,7 +680,7 @@ class ClusterNode:
                 return
         events = self.eventlog
         if events.file is not None:
-            seq = self.broker.event_seq
+            seq = self.stream.broker.event_seq
             err = events.record(seq, e, sender, len(e.data) if type(e) is ClientData else 0)
             if err is not None:
                 # This member could not record the event: the others may have. Whether it
@@ -840,16 +691,16 @@ class ClusterNode:
         self._report_and_digest()
 
     def _report_and_digest(self) -> None:
-        seq = self.broker.event_seq
+        seq = self.stream.broker.event_seq
         if self.stall.owed:
             self.errorchecks.pay_owed(seq)
         if seq % self.progress.every == 0:
-            self.multicast.send_control(self._progress_report(seq))
-        if seq % self.checkpoints.every == 0 and not self.broker.replication.catching_up:
+            self.multicast.send_control(self.stream.progress_report(seq))
+        if seq % self.checkpoints.every == 0 and not self.stream.broker.replication.catching_up:
             # (A replica's state update from the back left out what consumers took while it
             # was sent, which the others still hold at checkpoints until the replay reaches
             # those takes: a newcomer vouches for its state once it has caught up.)
-            self.checkpoints.take(seq, self.broker)
+            self.checkpoints.take(seq, self.stream.broker)
 
     # ------------------------------------------------------------------ membership
 
@@ -860,10 +711,10 @@ class ClusterNode:
         self._act(membership.on_hello(e))
         if newly_ready:
             # A member that just caught up through an update: count its lag from here.
-            self.progress.newly_ready(e.member, self.broker.event_seq)
+            self.progress.newly_ready(e.member, self.stream.broker.event_seq)
         if self.eventlog.file is not None:
             self.eventlog.event(
-                self.broker.event_seq,
+                self.stream.broker.event_seq,
                 "hello",
                 sender,
                 None,
@@ -899,7 +750,7 @@ class ClusterNode:
         the stream says so, at the same point on every member, or stop serving)."""
         if self.suspended is not None or self.failure is not None:
             return
-        self.replication.check_role(self._primary_here, self.broker)
+        self.replication.check_role(self._primary_here, self.stream.broker)
 
     def _primary_here(self) -> bool:
         """Whether the stream makes this member the hot-standby primary now."""
@@ -962,7 +813,7 @@ class ClusterNode:
             elif t is BecomeReady:
                 # Every member becomes ready at this same event: that is where each of them
                 # stands until it reports more (a member that never reports is then seen to lag).
-                self.progress.estimate(self.membership.ready_members, self.broker.event_seq)
+                self.progress.estimate(self.membership.ready_members, self.stream.broker.event_seq)
                 log.info(
                     "cluster ready members=%d clock_master=%s",
                     len(self.membership.members),
@@ -974,10 +825,10 @@ class ClusterNode:
                 if self.stops.halted is not None:
                     continue
                 store = self.store
-                if store is not None and store.next_seq != self.broker.event_seq + 1:
+                if store is not None and store.next_seq != self.stream.broker.event_seq + 1:
                     # Starting from a state the store does not hold (a fresh start while the
                     # store kept a discarded state): it holds this one from here.
-                    store.replace(self.broker)
+                    store.replace(self.stream.broker)
                 if self.stall.stalled is not None:
                     self.stall.hold(a.event, 0)
                     continue
@@ -991,7 +842,7 @@ class ClusterNode:
             elif t is StartAt:
                 # The empty state every starting member holds: it starts at the version they
                 # agreed, before the first event.
-                self._set_version(a.version)
+                self.stream.set_version(a.version)
             elif t is Fatal:
                 raise ClusterError(a.reason)
 
@@ -1005,8 +856,7 @@ class ClusterNode:
         assert self.kept is not None
         broker, epoch = self.kept
         self.kept = None
-        self.broker = broker
-        broker.set_local_member(self.member)
+        self.stream.resume(broker)
         stale = sorted({codec.split_conn(c)[0] for c in broker.connections})
         log.warning(
             "resuming the state %s: epoch %s, event %s, closing the connections of %d former "
@@ -1042,7 +892,7 @@ class ClusterNode:
             return
         membership = self.membership
         if not self.updater.gives(
-            e, membership, self.broker.version.current, self.stops.halted is not None
+            e, membership, self.stream.broker.version.current, self.stops.halted is not None
         ):
             return
         members = membership.export()
@@ -1056,25 +906,12 @@ class ClusterNode:
 
     def _fork_update(self, e: UpdateRequest, members: list[list[Any]]) -> None:
         """Send our state to the newcomer ``e`` names (as the replication mode sends it)."""
-        self.replication.fork_update(self.updater, e, members, self.broker)
-
-    def _install(self, broker: Broker, members: list[list[Any]]) -> None:
-        """The newcomer installs the state of its update point."""
-        self.broker = broker
-        self.membership.model_version = broker.version.current
-        broker.set_local_member(self.member)
-        self.replication.installed(broker)
-        if self.store is not None:
-            # Whatever the store held (older, or as fresh as the resumed member's state) is
-            # replaced by what the cluster serves.
-            self.store.replace(broker)
-        self.membership.adopt(members)
-        self.progress.estimate(self.membership.ready_members, broker.event_seq)
+        self.replication.fork_update(self.updater, e, members, self.stream.broker)
 
     async def catch_up(self) -> None:
         """Replay what was delivered after the update point, then say we serve."""
         await self.newcomer.catch_up(self._replay)
-        self.broker.replication.catch_up(False)
+        self.stream.broker.replication.catch_up(False)
         self._act([SendHello(STATUS_READY)])
 
     # ------------------------------------------------------------------ error-check rounds
@@ -1083,7 +920,7 @@ class ClusterNode:
         """The cluster failed event ``e`` alike: close its connection, as every member that
         failed it does, and go on as after an applied event."""
         self.io.execute(
-            self.broker.fail_event(e, "internal error while processing this connection")
+            self.stream.broker.fail_event(e, "internal error while processing this connection")
         )
         self._after_apply(e, sender, failed=True)
         if self.replication.failed(e, sender):
@@ -1103,7 +940,7 @@ class ClusterNode:
     # ------------------------------------------------------------------ stop requests
 
     def _on_stop_request(self, e: StopRequest) -> None:
-        self.stops.on_request(e, self.broker, self.report)
+        self.stops.on_request(e, self.stream.broker, self.report)
 
     async def finish_stop(self) -> None:
         """After a stop request: let confirms up to the stop point out (every ready member
@@ -1141,4 +978,4 @@ class ClusterNode:
     def view(self) -> Broker:
         """The broker the management API and /metrics read: the serving broker of a primary
         shipping changes (its clients, consumers and unacked messages), else the stream's."""
-        return self.replication.view(self.broker)
+        return self.replication.view(self.stream.broker)
