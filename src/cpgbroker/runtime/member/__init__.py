@@ -2,6 +2,8 @@
 each delivered CPG event to the components that own their state, and those components.
 
 * ``member``: the deliver loop and event routing.
+* ``roster``: :class:`~.roster.Roster`, hellos, joins and leaves, partition merges, the kept
+  state.
 * ``parts``: :class:`~.parts.Parts`, what the process wing builds and hands the member.
 * ``stream``: :class:`~.stream.Stream`, the broker the stream is applied to and how far every
   member stands, and :class:`~.stream.Service`, whether the member serves.

@@ -22,6 +22,8 @@ component owns its state and never imports this module:
   given the replication mode's sequencer and the confirm gate;
 * ``runtime/replication/modes.py``: the replication mode (replaying client bytes, or shipping
   state changes), called wherever the modes differ without asking which one it is;
+* ``runtime/member/roster.py``: hellos, joins and leaves, partition merges, and the state kept
+  since quorum was lost until it is resumed or given up;
 * ``runtime/member/multicast.py``: submit, direct sends, batching, the sender task, the lag wait;
 * ``cluster/progress.py`` (pure): peer progress, the stable sequence, report pacing;
   ``runtime/amqp/confirms.py``: local output held until its confirm is stable;
@@ -30,7 +32,7 @@ component owns its state and never imports this module:
 * ``runtime/member/eventlog.py``: the event log and injected faults;
 * ``runtime/member/errorcheck_rounds.py``: this member's side of error-check rounds, over
   ``cluster/errorcheck_stall.py`` (pure);
-* ``cluster/merge.py`` (pure): partition merge verdicts; ``cluster/quorum.py``: ring gating;
+* ``cluster/quorum.py`` (pure, through ``runtime/member/ringgate.py``): ring gating;
 * ``runtime/member/stops.py``: stop requests;
 * ``store/`` (through ``runtime/member/storelink.py``): the member's durable store, which journals
   every applied event (``_after_apply``) and whose fsyncs come back as ``on_durable``.
@@ -41,7 +43,6 @@ member, and what a decision means for the others (suspending, resynchronising, l
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import logging
@@ -52,10 +53,8 @@ from typing import Any
 import attrs
 import trio
 
-from cpgbroker import __version__
 from cpgbroker.cluster import codec
 from cpgbroker.cluster.codec import (
-    STATUS_NAMES,
     STATUS_READY,
     Checkpoint,
     ErrorCheck,
@@ -63,21 +62,12 @@ from cpgbroker.cluster.codec import (
     Progress,
     StopRequest,
     UpdateRequest,
-    software_label,
 )
 from cpgbroker.cluster.membership import (
-    NEEDS_UPDATE,
     READY,
-    ApplyToModel,
-    BecomeReady,
-    Fatal,
-    NeedUpdate,
-    ResumeState,
     SendHello,
-    StartAt,
     member_id,
 )
-from cpgbroker.cluster.merge import Partitions
 from cpgbroker.corosync.events import (
     ConfChg,
     CpgEvent,
@@ -87,17 +77,15 @@ from cpgbroker.corosync.events import (
     TotemConfChg,
 )
 from cpgbroker.errors import ClusterError
-from cpgbroker.model import NEWEST, OLDEST, RAISE_MODEL_VERSION, Broker
+from cpgbroker.model import RAISE_MODEL_VERSION, Broker
 from cpgbroker.model.events import (
     AdminCommand,
     Changes,
     ClientConnected,
     ClientData,
-    MemberLeft,
-    Recovered,
     Tick,
 )
-from cpgbroker.runtime.amqp.server import ClientStream, forced_close_frame
+from cpgbroker.runtime.amqp.server import ClientStream
 from cpgbroker.runtime.config.settings import ServerConfig
 from cpgbroker.runtime.member.applytimes import APPLY_SAMPLE, ApplyTimes
 from cpgbroker.runtime.member.checkpoints import Checkpointer
@@ -106,17 +94,14 @@ from cpgbroker.runtime.member.lease import LAPSED
 from cpgbroker.runtime.member.parts import Parts
 from cpgbroker.runtime.member.quorum_trio import TrioQuorum
 from cpgbroker.runtime.member.ringgate import VERDICT_TIMEOUT, RingGate
+from cpgbroker.runtime.member.roster import Roster
 from cpgbroker.runtime.member.stops import STOP_SETTLE
 from cpgbroker.runtime.member.stream import admin_settled, version_verdict
 from cpgbroker.runtime.member.watchdog import ApplyMark
-from cpgbroker.runtime.replication.standby import primary_of
 from cpgbroker.runtime.update.giving import DeferredUpdate
 from cpgbroker.store.store import Store
 
 log = logging.getLogger("cpgbroker.member")
-
-# What this member announces in its hello: its release and the model versions it applies.
-SOFTWARE = software_label(__version__, OLDEST, NEWEST)
 
 # After quorum loss, how long clients get to read connection.close before being cut.
 SUSPEND_GRACE = 2.0
@@ -176,19 +161,10 @@ class ClusterNode:
         self.scope: trio.CancelScope | None = None
         # Holds ring changes until votequorum's verdict on the new ring.
         self.gate = None if quorum is None else RingGate(quorum)
-        # The model a previous incarnation held when quorum was lost, or the process recovered
-        # from its store, with its history epoch: offered in our hellos, resumed only if no
-        # member serves (the whole cluster lost quorum or stopped).
-        self.kept = inherited.kept
-        # The kept model was recovered from the store after the process (re)started: resuming
-        # it drops what a broker restart drops (``Recovered``).
-        self.restarted = inherited.restarted
         # Its state must not be offered again when it rejoins (it holds what the serving
         # members do not): merged back on the smaller side, or applied an event the cluster
         # failed while it was catching up.
         self.discard_state = False
-        # A forced boot (``--force-boot``) does not wait for the other members' stores.
-        self.forced = inherited.forced
         # The same objects as the stream's, bound here for the hot path (never swapped).
         self.store = stream.store
         self.membership = stream.membership
@@ -207,7 +183,6 @@ class ClusterNode:
         self.checkpoints = Checkpointer(
             member, cluster.checkpoint_every, send, self.eventlog, self._vouches
         )
-        self.partitions = Partitions()
         self.newcomer = parts.newcomer
         self.updater = parts.updater
         self.stops = parts.stops
@@ -228,11 +203,34 @@ class ClusterNode:
         )
         # The event being applied, for the watchdog's feeder thread (runtime/member/watchdog.py).
         self.applying = ApplyMark() if inherited.applying is None else inherited.applying
+        # Hellos, joins and leaves, partition merges, the kept state (runtime/member/roster.py).
+        self.roster = Roster(
+            stream,
+            self.service,
+            multicast=self.multicast,
+            replication=self.replication,
+            newcomer=self.newcomer,
+            checkpoints=self.checkpoints,
+            errorchecks=self.errorchecks,
+            stops=self.stops,
+            eventlog=self.eventlog,
+            now_ms=self.io.now_ms,
+            kept=inherited.kept,
+            restarted=inherited.restarted,
+            forced=inherited.forced,
+            apply=self._apply_stream,
+            resync=self._resync,
+        )
 
     @property
     def broker(self) -> Broker:
         """The broker the stream is applied to now (swapped on install and resume)."""
         return self.stream.broker
+
+    @property
+    def kept(self) -> tuple[Broker, int] | None:
+        """The state kept since quorum was lost (or recovered), until resumed or given up."""
+        return self.roster.kept
 
     @property
     def ready(self) -> trio.Event:
@@ -359,24 +357,12 @@ class ClusterNode:
     async def let_clients_go(self, grace: float) -> None:
         """Told to go already: the clients get up to ``grace`` seconds to read their
         connection.close and leave; the rest are cut."""
-        with trio.move_on_after(grace):
-            while self.io.local:
-                await trio.sleep(0.02)
-        self.io.cancel_clients()
+        await self.io.let_clients_go(grace)
 
     async def drop_clients(self, text: str) -> None:
         """Leaving the cluster: our clients must fail over; tell them why, then drop them. The
         other members see us leave through CPG and close our clients' shadows at that point."""
-        frame = forced_close_frame(text)
-        for lc in list(self.io.local.values()):
-            with (
-                trio.move_on_after(1),
-                contextlib.suppress(
-                    trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError
-                ),
-            ):
-                await lc.stream.send_all(frame)
-            await lc.stream.aclose()
+        await self.io.drop_clients(text)
 
     # ------------------------------------------------------------------ progress
 
@@ -429,7 +415,7 @@ class ClusterNode:
     async def deliver_loop(self) -> None:
         cpg = self.multicast.cpg
         # Bound once: the set is updated in place.
-        shunned = self.partitions.shunned
+        shunned = self.roster.partitions.shunned
         on_event = self._on_event
         gate = self.gate
         # Stream items of a ring change, held until the new ring's quorum verdict (see
@@ -469,11 +455,11 @@ class ClusterNode:
                             # token sees the others leave and come back in one change: if it
                             # lost the merge, it must not apply their departure (requeue their
                             # messages, hand them to its own consumers) first.
-                            others = self.partitions.lost_in(
+                            others = self.roster.partitions.lost_in(
                                 batch, i, list(self.membership.members)
                             )
                             if others is not None:
-                                self._lose_merge(others)
+                                self.roster.lose_merge(others)
                                 return
                             why = await gate.verdict(ring)
                             if why is not None:
@@ -567,15 +553,15 @@ class ClusterNode:
 
     def _on_cpg_item(self, ev: Any) -> None:
         if type(ev) is ConfChg:
-            self._on_confchg(ev)
+            self.roster.on_confchg(ev)
         elif type(ev) is PartitionMerge:
-            self._on_partition_merge(ev)
+            self.roster.on_partition_merge(ev)
 
     def _process_event(self, e: Any, sender: int) -> None:
         t = type(e)
         membership = self.membership
         if t is Hello:
-            self._on_hello(e, sender)
+            self.roster.on_hello(e, sender)
             return
         if t is UpdateRequest:
             self._on_update_request(e)
@@ -702,188 +688,6 @@ class ClusterNode:
             # those takes: a newcomer vouches for its state once it has caught up.)
             self.checkpoints.take(seq, self.stream.broker)
 
-    # ------------------------------------------------------------------ membership
-
-    def _on_hello(self, e: Hello, sender: int) -> None:
-        membership = self.membership
-        was = membership.members.get(e.member)
-        newly_ready = e.status == STATUS_READY and (was is None or was.status != STATUS_READY)
-        self._act(membership.on_hello(e))
-        if newly_ready:
-            # A member that just caught up through an update: count its lag from here.
-            self.progress.newly_ready(e.member, self.stream.broker.event_seq)
-        if self.eventlog.file is not None:
-            self.eventlog.event(
-                self.stream.broker.event_seq,
-                "hello",
-                sender,
-                None,
-                0,
-                status=STATUS_NAMES.get(e.status, "?"),
-            )
-        if membership.state == NEEDS_UPDATE and self.newcomer.attempt is None:
-            self.newcomer.request()
-        self._check_role()
-
-    def _on_confchg(self, ev: ConfChg) -> None:
-        members, joined, left = self.partitions.view(ev)
-        self.progress.forget(left)
-        for m in ev.left:
-            log.warning(
-                "member left member=%s node=%s pid=%s reason=%s",
-                member_id(m.nodeid, m.pid),
-                m.nodeid,
-                m.pid,
-                m.reason.name,
-            )
-        for m in ev.joined:
-            log.info("member joined node=%s pid=%s", m.nodeid, m.pid)
-        self._act(self.membership.on_confchg(members, joined, left))
-        self.newcomer.members_left(left)
-        if left and self.membership.state == READY:
-            self.checkpoints.members_changed(self.membership.ready_members)
-            self.errorchecks.members_left(left)
-        self._check_role()
-
-    def _check_role(self) -> None:
-        """The replication mode may change roles here (shipping changes: become primary when
-        the stream says so, at the same point on every member, or stop serving)."""
-        if self.suspended is not None or self.failure is not None:
-            return
-        self.replication.check_role(self._primary_here, self.stream.broker)
-
-    def _primary_here(self) -> bool:
-        """Whether the stream makes this member the hot-standby primary now."""
-        primary = primary_of(self.membership)
-        return (
-            self.membership.state == READY
-            and self.ready.is_set()
-            and self.stops.halted is None
-            and primary is not None
-            and primary.member == self.member
-        )
-
-    def _on_partition_merge(self, ev: PartitionMerge) -> None:
-        """Two sides of a partition merged: neither saw what the other applied meanwhile.
-        The side with more members keeps serving (on a tie, the side holding the lowest member
-        id); the other side's members leave, and until they are gone nothing they send is
-        applied. Both sides reach the same verdict: each knows both sides' members."""
-        wins, others = self.partitions.on_merge(ev, self.membership.members)
-        if wins:
-            log.error(
-                "partition healed: members %s come back from another partition with diverged "
-                "state; ignoring them until they leave",
-                others,
-            )
-            self.membership.forget(others)
-            return
-        self._lose_merge(others)
-
-    def _lose_merge(self, others: list[int]) -> None:
-        reason = (
-            "this member was partitioned from the cluster and merged back on the smaller side: "
-            "it missed events the others applied, so its state cannot be trusted"
-        )
-        # With quorum it has not served since the split; it resynchronises instead.
-        self._resync(
-            f"{reason}; rejoining through a state update (other side: {others})",
-            f"{reason}; leaving (other side: {others})",
-        )
-
-    def _act(self, actions: list[Any]) -> None:
-        for a in actions:
-            t = type(a)
-            if t is SendHello:
-                kept = self.kept
-                self.multicast.send_control(
-                    codec.encode(
-                        Hello(
-                            self.member,
-                            a.status,
-                            self.membership.model_version,
-                            self.membership.config_digest,
-                            self.membership.url,
-                            SOFTWARE,
-                            self.io.now_ms(),
-                            0 if kept is None else kept[1],
-                            0 if kept is None else kept[0].event_seq,
-                        )
-                    )
-                )
-            elif t is BecomeReady:
-                # Every member becomes ready at this same event: that is where each of them
-                # stands until it reports more (a member that never reports is then seen to lag).
-                self.progress.estimate(self.membership.ready_members, self.stream.broker.event_seq)
-                log.info(
-                    "cluster ready members=%d clock_master=%s",
-                    len(self.membership.members),
-                    self.membership.clock_master,
-                )
-                self.ready.set()
-                self._check_role()
-            elif t is ApplyToModel:
-                if self.stops.halted is not None:
-                    continue
-                store = self.store
-                if store is not None and store.next_seq != self.stream.broker.event_seq + 1:
-                    # Starting from a state the store does not hold (a fresh start while the
-                    # store kept a discarded state): it holds this one from here.
-                    store.replace(self.stream.broker)
-                if self.stall.stalled is not None:
-                    self.stall.hold(a.event, 0)
-                    continue
-                self._apply_stream(a.event, 0)
-            elif t is NeedUpdate:
-                log.info("%s", a.reason)
-                self.kept = None
-                self.newcomer.request()
-            elif t is ResumeState:
-                self._resume(a.start_ms)
-            elif t is StartAt:
-                # The empty state every starting member holds: it starts at the version they
-                # agreed, before the first event.
-                self.stream.set_version(a.version)
-            elif t is Fatal:
-                raise ClusterError(a.reason)
-
-    def _resume(self, start_ms: int) -> None:
-        """Serve again with the state kept when the whole cluster lost quorum.
-
-        Its connections are all from before the split (no client event precedes this point),
-        so each of their members is treated as gone: connections closed, unacked messages
-        requeued. Nobody else has a model yet: they take updates after this point.
-        """
-        assert self.kept is not None
-        broker, epoch = self.kept
-        self.kept = None
-        self.stream.resume(broker)
-        stale = sorted({codec.split_conn(c)[0] for c in broker.connections})
-        log.warning(
-            "resuming the state %s: epoch %s, event %s, closing the connections of %d former "
-            "members",
-            "recovered from the store" if self.restarted else "kept since quorum was lost",
-            epoch,
-            broker.event_seq,
-            len(stale),
-        )
-        if self.forced and self.store is not None:
-            # The history goes on from here without the members that did not come: a new
-            # epoch, so that it wins over their stores even where they hold more events.
-            epoch = self.store.new_epoch()
-            log.warning(
-                "FORCED BOOT: serving from this member's store alone (now epoch %d, event %d); "
-                "the other members' stores will be replaced by state updates when they join, "
-                "even if they held confirmed messages this one lacks",
-                epoch,
-                broker.event_seq,
-            )
-        self._act([ApplyToModel(MemberLeft(m)) for m in stale])
-        if self.restarted:
-            # After a restart, what AMQP does not keep across one goes (the unacked messages
-            # of the closed connections are back in their queues, marked redelivered).
-            self._act([ApplyToModel(Recovered())])
-        self._act([ApplyToModel(Tick(max(start_ms, broker.now_ms)))])
-
     # ------------------------------------------------------------------ state update
 
     def _on_update_request(self, e: UpdateRequest) -> None:
@@ -912,7 +716,7 @@ class ClusterNode:
         """Replay what was delivered after the update point, then say we serve."""
         await self.newcomer.catch_up(self._replay)
         self.stream.broker.replication.catch_up(False)
-        self._act([SendHello(STATUS_READY)])
+        self.roster.act([SendHello(STATUS_READY)])
 
     # ------------------------------------------------------------------ error-check rounds
 
