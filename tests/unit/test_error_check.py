@@ -322,9 +322,9 @@ async def test_a_held_member_vouches_only_for_the_event_before_the_failed_one() 
         cpgs[0].paused = cpgs[1].paused = True
         await traffic(a, client, 1)
         await until(lambda: c.stall.stalled is not None)
-        assert c.broker.event_seq == at and c.applied_seq() == at - 1
-        assert c.stable_seq() <= at - 1
-        report = c.report()
+        assert c.broker.event_seq == at and c.stream.applied_seq() == at - 1
+        assert c.stream.stable_seq() <= at - 1
+        report = c.stream.report()
         assert report.endswith((at - 1).to_bytes(8, "big")), "progress names the event before"
         nursery.cancel_scope.cancel()
 

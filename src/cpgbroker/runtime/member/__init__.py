@@ -2,6 +2,8 @@
 each delivered CPG event to the components that own their state, and those components.
 
 * ``member``: the deliver loop and event routing.
+* ``applying``: :class:`~.applying.Applier`, applying an event routed to the model, then
+  recording, reporting and digesting it.
 * ``roster``: :class:`~.roster.Roster`, hellos, joins and leaves, partition merges, the kept
   state.
 * ``parts``: :class:`~.parts.Parts`, what the process wing builds and hands the member.

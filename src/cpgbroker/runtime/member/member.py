@@ -24,6 +24,8 @@ component owns its state and never imports this module:
   state changes), called wherever the modes differ without asking which one it is;
 * ``runtime/member/roster.py``: hellos, joins and leaves, partition merges, and the state kept
   since quorum was lost until it is resumed or given up;
+* ``runtime/member/applying.py``: applying an event routed to the model, then recording,
+  reporting and digesting it;
 * ``runtime/member/multicast.py``: submit, direct sends, batching, the sender task, the lag wait;
 * ``cluster/progress.py`` (pure): peer progress, the stable sequence, report pacing;
   ``runtime/amqp/confirms.py``: local output held until its confirm is stable;
@@ -35,7 +37,7 @@ component owns its state and never imports this module:
 * ``cluster/quorum.py`` (pure, through ``runtime/member/ringgate.py``): ring gating;
 * ``runtime/member/stops.py``: stop requests;
 * ``store/`` (through ``runtime/member/storelink.py``): the member's durable store, which journals
-  every applied event (``_after_apply``) and whose fsyncs come back as ``on_durable``.
+  every applied event (``runtime/member/applying.py``) and whose fsyncs come back as ``on_durable``.
 
 What stays here is the order of things: which component sees an event, in which state of the
 member, and what a decision means for the others (suspending, resynchronising, leaving).
@@ -43,10 +45,8 @@ member, and what a decision means for the others (suspending, resynchronising, l
 
 from __future__ import annotations
 
-import errno
 import functools
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -80,14 +80,12 @@ from cpgbroker.errors import ClusterError
 from cpgbroker.model import RAISE_MODEL_VERSION, Broker
 from cpgbroker.model.events import (
     AdminCommand,
-    Changes,
-    ClientConnected,
     ClientData,
     Tick,
 )
 from cpgbroker.runtime.amqp.server import ClientStream
 from cpgbroker.runtime.config.settings import ServerConfig
-from cpgbroker.runtime.member.applytimes import APPLY_SAMPLE, ApplyTimes
+from cpgbroker.runtime.member.applying import Applier
 from cpgbroker.runtime.member.checkpoints import Checkpointer
 from cpgbroker.runtime.member.errorcheck_rounds import ErrorChecks
 from cpgbroker.runtime.member.lease import LAPSED
@@ -154,7 +152,7 @@ class ClusterNode:
         inherited = Inherited() if inherited is None else inherited
         self.config = config
         stream = self.stream = parts.stream
-        self.member = member = stream.me
+        self.member = stream.me
         # Without a quorum handle (unit tests on an in-memory bus) nothing is gated.
         self.quorum = quorum
         self.service = parts.service
@@ -165,29 +163,30 @@ class ClusterNode:
         # members do not): merged back on the smaller side, or applied an event the cluster
         # failed while it was catching up.
         self.discard_state = False
-        # The same objects as the stream's, bound here for the hot path (never swapped).
-        self.store = stream.store
+        # The stream's, bound here for the hot path (never swapped).
         self.membership = stream.membership
-        self.progress = stream.progress
         self.multicast = parts.multicast
-        send = self.multicast.send_control
         self.standby = parts.standby
         self.replication = parts.replication
         self.confirms = parts.confirms
         self.io = parts.io
         self.desk = parts.desk
         self.federation = parts.federation
-        # A sample of how long events take to apply (runtime/member/applytimes.py).
-        self.apply_times = ApplyTimes()
         self.eventlog = parts.eventlog
-        self.checkpoints = Checkpointer(
-            member, cluster.checkpoint_every, send, self.eventlog, self._vouches
-        )
         self.newcomer = parts.newcomer
         self.updater = parts.updater
         self.stops = parts.stops
         # Read on the hot path (one attribute load): is this member held by a round?
         self.stall = stream.stall
+        self._build_own(cluster.checkpoint_every, inherited)
+
+    def _build_own(self, checkpoint_every: int, inherited: Inherited) -> None:
+        """The member's own components, each on the ones before; the error-check rounds
+        call back into the member (a failed event, a kept item, a resync)."""
+        member, stream, send = self.member, self.stream, self.multicast.send_control
+        self.checkpoints = Checkpointer(
+            member, checkpoint_every, send, self.eventlog, self._vouches
+        )
         self.errorchecks = ErrorChecks(
             member,
             self.membership,
@@ -197,12 +196,24 @@ class ClusterNode:
             self.newcomer,
             self.stall,
             fail_event=self._fail_event,
-            recorded=self._report_and_digest,
+            recorded=self._recorded,
             replay=self._replay_kept,
             resync=self._resync,
         )
-        # The event being applied, for the watchdog's feeder thread (runtime/member/watchdog.py).
-        self.applying = ApplyMark() if inherited.applying is None else inherited.applying
+        # Applies what the stream routes to the model (runtime/member/applying.py).
+        self.applier = Applier(
+            stream,
+            self.service,
+            replication=self.replication,
+            io=self.io,
+            eventlog=self.eventlog,
+            updater=self.updater,
+            multicast=self.multicast,
+            checkpoints=self.checkpoints,
+            errorchecks=self.errorchecks,
+            # Shared with the watchdog's feeder thread (runtime/member/watchdog.py).
+            mark=ApplyMark() if inherited.applying is None else inherited.applying,
+        )
         # Hellos, joins and leaves, partition merges, the kept state (runtime/member/roster.py).
         self.roster = Roster(
             stream,
@@ -218,7 +229,7 @@ class ClusterNode:
             kept=inherited.kept,
             restarted=inherited.restarted,
             forced=inherited.forced,
-            apply=self._apply_stream,
+            apply=self.applier.apply,
             resync=self._resync,
         )
 
@@ -369,24 +380,6 @@ class ClusterNode:
     def _vouches(self) -> bool:
         return self.suspended is None and self.stops.halted is None
 
-    def lag(self) -> int:
-        return self.stream.lag()
-
-    def applied_seq(self) -> int:
-        return self.stream.applied_seq()
-
-    def stable_seq(self) -> int:
-        return self.stream.stable_seq()
-
-    def durable_seq(self) -> int:
-        return self.stream.durable_seq()
-
-    def durable_stable_seq(self) -> int:
-        return self.stream.durable_stable_seq()
-
-    def report(self) -> bytes:
-        return self.stream.report()
-
     def _stable_marks(self) -> tuple[int, int | None]:
         return self.stream.stable_marks(self.replication.stable)
 
@@ -406,7 +399,7 @@ class ClusterNode:
             return
         if self.confirms.holding or self.desk.unsettled:
             self._release_stable()
-        if self.membership.state == READY and self.progress.durable_report_due(seq):
+        if self.membership.state == READY and self.stream.progress.durable_report_due(seq):
             self.multicast.report_soon(False)
         self.multicast.progress_changed()
 
@@ -472,7 +465,7 @@ class ClusterNode:
             # waits for every member's report, so report now rather than PROGRESS_EVERY
             # events later (our own clients' confirms need no report from us); and release
             # what the reports received made stable.
-            if self.stream.broker.shadow_confirms != self.progress.confirms_seen:
+            if self.stream.broker.shadow_confirms != self.stream.progress.confirms_seen:
                 self._report_for_confirms()
             self.io.answer_expected = False
             if self.confirms.holding or self.desk.unsettled:
@@ -484,13 +477,13 @@ class ClusterNode:
 
     def _report_for_confirms(self) -> None:
         broker = self.stream.broker
-        progress = self.progress
+        progress = self.stream.progress
         progress.confirms_seen = broker.shadow_confirms
-        if self.store is not None and not progress.confirms_moved(
+        if self.stream.store is not None and not progress.confirms_moved(
             broker.shadow_confirms,
             broker.shadow_durable_confirms,
             broker.event_seq,
-            self.durable_seq(),
+            self.stream.durable_seq(),
         ):
             return  # our store's report releases them (on_durable)
         if self.suspended is not None or self.membership.state != READY:
@@ -567,7 +560,7 @@ class ClusterNode:
             self._on_update_request(e)
             return
         if t is Progress:
-            self.progress.on_report(e.member, e.seq, e.durable)
+            self.stream.progress.on_report(e.member, e.seq, e.durable)
             self.multicast.progress_changed()
             return
         if t is Checkpoint:
@@ -601,92 +594,7 @@ class ClusterNode:
         if stall.stalled is not None:
             stall.hold(e, sender)
             return
-        self._apply_stream(e, sender)
-
-    def _apply_stream(self, e: Any, sender: int) -> None:
-        """Apply one event of the stream. An exception here is an error the stream does not
-        explain (the same event applies cleanly elsewhere, or everywhere fails alike): the
-        cluster decides in an error-check round."""
-        raising = type(e) is AdminCommand and e.op == RAISE_MODEL_VERSION
-        replication = self.replication
-        if not replication.takes(e, sender, self.membership):
-            return
-        broker = self.stream.broker
-        seq = broker.event_seq + 1
-        mark = self.applying
-        mark.seq = seq
-        try:
-            events = self.eventlog
-            if events.faults:
-                events.before_apply(seq)
-            # A suspended member's model is about to be discarded: nothing more reaches
-            # clients.
-            if self.suspended is None:
-                if seq & (APPLY_SAMPLE - 1):
-                    self.io.execute(broker.apply(e))
-                else:
-                    started = time.perf_counter()
-                    effects = broker.apply(e)
-                    self.apply_times.observe(time.perf_counter() - started)
-                    self.io.execute(effects)
-        except Exception as exc:
-            mark.seq = 0
-            # Counted as applied either way: the members that continue agree on the count.
-            broker.count_failed_event(seq)
-            self.errorchecks.local_error(
-                seq, f"apply-error: {type(exc).__name__}", str(exc), e, sender
-            )
-            return
-        mark.seq = 0
-        # (Shipping changes, a change batch carries the primary's version: model/replica.py.)
-        if (
-            raising or type(e) is Changes
-        ) and broker.version.current != self.membership.model_version:
-            self.stream.set_version(broker.version.current)
-        if type(e) is ClientConnected and e.member != self.member:
-            broker.set_emit(e.conn, False)
-        else:
-            replication.applied(broker, sender, self.updater)
-        self._after_apply(e, sender)
-
-    def _after_apply(self, e: Any, sender: int, failed: bool = False) -> None:
-        if self.suspended is not None:
-            # Not applied (see _apply_stream): nothing to log, report or digest.
-            return
-        store = self.store
-        if store is not None:
-            seq = self.stream.broker.event_seq
-            err = store.record(seq, e, self.stream.broker, failed)
-            if err is not None:
-                # The store could not write (or fsync) an event: it can no longer vouch for
-                # what this member applies. Whether the member may go on is the cluster's call
-                # (a disk that fails alone makes its member leave).
-                name = errno.errorcode.get(err.errno or 0, "EIO")
-                self.errorchecks.local_error(seq, f"store-write: {name}", str(err), e, sender)
-                return
-        events = self.eventlog
-        if events.file is not None:
-            seq = self.stream.broker.event_seq
-            err = events.record(seq, e, sender, len(e.data) if type(e) is ClientData else 0)
-            if err is not None:
-                # This member could not record the event: the others may have. Whether it
-                # may go on is the cluster's call.
-                name = errno.errorcode.get(err.errno or 0, "EIO")
-                self.errorchecks.local_error(seq, f"store-write: {name}", str(err), e, sender)
-                return
-        self._report_and_digest()
-
-    def _report_and_digest(self) -> None:
-        seq = self.stream.broker.event_seq
-        if self.stall.owed:
-            self.errorchecks.pay_owed(seq)
-        if seq % self.progress.every == 0:
-            self.multicast.send_control(self.stream.progress_report(seq))
-        if seq % self.checkpoints.every == 0 and not self.stream.broker.replication.catching_up:
-            # (A replica's state update from the back left out what consumers took while it
-            # was sent, which the others still hold at checkpoints until the replay reaches
-            # those takes: a newcomer vouches for its state once it has caught up.)
-            self.checkpoints.take(seq, self.stream.broker)
+        self.applier.apply(e, sender)
 
     # ------------------------------------------------------------------ state update
 
@@ -726,10 +634,14 @@ class ClusterNode:
         self.io.execute(
             self.stream.broker.fail_event(e, "internal error while processing this connection")
         )
-        self._after_apply(e, sender, failed=True)
+        self.applier.after_apply(e, sender, failed=True)
         if self.replication.failed(e, sender):
             log.error("a change batch of this primary failed on every member: leaving")
             self.fail("a change batch of this primary failed to apply on every member")
+
+    def _recorded(self) -> None:
+        """The event log was given up on an event: go on as after it was recorded."""
+        self.applier.report_and_digest()
 
     def _replay_kept(self, e: Any, sender: int) -> None:
         """One item kept while this member was held by an error-check round."""
@@ -739,12 +651,12 @@ class ClusterNode:
         elif t is StopRequest:
             self._on_stop_request(e)
         else:
-            self._apply_stream(e, sender)
+            self.applier.apply(e, sender)
 
     # ------------------------------------------------------------------ stop requests
 
     def _on_stop_request(self, e: StopRequest) -> None:
-        self.stops.on_request(e, self.stream.broker, self.report)
+        self.stops.on_request(e, self.stream.broker, self.stream.report)
 
     async def finish_stop(self) -> None:
         """After a stop request: let confirms up to the stop point out (every ready member
@@ -752,8 +664,8 @@ class ClusterNode:
         halted = self.stops.halted
         assert halted is not None
         with trio.move_on_after(STOP_SETTLE if self.confirms.holding else 0):
-            while self.stable_seq() < halted or (
-                self.store is not None and self.durable_stable_seq() < halted
+            while self.stream.stable_seq() < halted or (
+                self.stream.store is not None and self.stream.durable_stable_seq() < halted
             ):
                 await self.multicast.wait_progress()
         self._release_stable()

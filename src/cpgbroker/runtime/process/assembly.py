@@ -53,34 +53,12 @@ def assemble(
     cluster = config.cluster
     assert cluster is not None
     inherited = Inherited() if inherited is None else inherited
-    kept, forced = inherited.kept, inherited.forced
-    # ``[store] recover_with = "majority"``: a majority of ``size`` decides a restart, and
-    # confirms that wait for the stores need that many serving.
-    store_quorum = (
-        cluster.size // 2 + 1
-        if config.store is not None and config.store.recover_with == "majority"
-        else 0
-    )
-    membership = Membership(
-        member,
-        1 if forced else cluster.size,
-        # A member with kept state announces its version; one without, the lowest it applies
-        # (what a member of an older release expects to hear).
-        OLDEST if kept is None else kept[0].version.current,
-        config_digest(config),
-        cluster.url,
-        store_quorum,
-        (OLDEST, NEWEST),
-    )
-    progress = PeerProgress(member, cluster.max_lag)
-    stream = Stream(
-        member, Broker(config.broker), membership, progress, inherited.store, store_quorum
-    )
+    stream = _stream(config, member, inherited)
     service = Service()
-    multicast = Multicaster(cpg, progress, stream.lag, stream.report)
+    multicast = Multicaster(cpg, stream.progress, stream.lag, stream.report)
     # Hot standby: who takes clients (runtime/replication/standby.py); None: every member does.
     standby = (
-        HotStandby(member, lambda: membership, lambda: service.serving)
+        HotStandby(member, lambda: stream.membership, lambda: service.serving)
         if cluster.mode == "hot-standby"
         else None
     )
@@ -105,23 +83,10 @@ def assemble(
         settled=functools.partial(admin_settled, stream, replication.stable),
     )
     io.desk = desk
-    # The federation links this member runs (runtime/federation/links.py).
-    federation = FederationLinks(
-        member,
-        config.broker.server_id,
-        # Without a server id, the CPG group names the cluster upstream (stable across
-        # restarts, unlike member ids: the upstream queue must keep its name).
-        config.broker.server_id or cluster.group,
-        desk,
-        lambda: replication.view(stream.broker),
-        lambda: replication.link_members(membership),
-        lambda: service.serving and stops.halted is None and replication.active,
-        client_context(config.tls),
-        cluster_name=config.broker.cluster_name,
-    )
+    federation = _federation(config, member, desk, stream, service, stops, replication)
     newcomer = Newcomer(
         member,
-        membership,
+        stream.membership,
         config.broker,
         multicast.send_control,
         functools.partial(stream.install, installed=replication.installed),
@@ -155,6 +120,64 @@ def assemble(
         lapsed=node.lease_lapsed,
     )
     return node
+
+
+def _stream(config: ServerConfig, member: int, inherited: Inherited) -> Stream:
+    """The stream broker (empty until the membership says where to start), the membership
+    and the peers' progress."""
+    cluster = config.cluster
+    assert cluster is not None
+    kept = inherited.kept
+    # ``[store] recover_with = "majority"``: a majority of ``size`` decides a restart, and
+    # confirms that wait for the stores need that many serving.
+    store_quorum = (
+        cluster.size // 2 + 1
+        if config.store is not None and config.store.recover_with == "majority"
+        else 0
+    )
+    membership = Membership(
+        member,
+        1 if inherited.forced else cluster.size,
+        # A member with kept state announces its version; one without, the lowest it applies
+        # (what a member of an older release expects to hear).
+        OLDEST if kept is None else kept[0].version.current,
+        config_digest(config),
+        cluster.url,
+        store_quorum,
+        (OLDEST, NEWEST),
+    )
+    progress = PeerProgress(member, cluster.max_lag)
+    return Stream(
+        member, Broker(config.broker), membership, progress, inherited.store, store_quorum
+    )
+
+
+def _federation(
+    config: ServerConfig,
+    member: int,
+    desk: AdminDesk,
+    stream: Stream,
+    service: Service,
+    stops: Stops,
+    replication: Replication,
+) -> FederationLinks:
+    """The federation links this member runs (runtime/federation/links.py): they read the
+    view of the stream the replication mode gives, and run while the member serves."""
+    cluster = config.cluster
+    assert cluster is not None
+    return FederationLinks(
+        member,
+        config.broker.server_id,
+        # Without a server id, the CPG group names the cluster upstream (stable across
+        # restarts, unlike member ids: the upstream queue must keep its name).
+        config.broker.server_id or cluster.group,
+        desk,
+        lambda: replication.view(stream.broker),
+        lambda: replication.link_members(stream.membership),
+        lambda: service.serving and stops.halted is None and replication.active,
+        client_context(config.tls),
+        cluster_name=config.broker.cluster_name,
+    )
 
 
 def _replication(
