@@ -18,6 +18,7 @@ from cpgbroker.model.events import ClientConnected, ClientData
 from cpgbroker.runtime.amqp.server import LocalConn
 from cpgbroker.runtime.config.settings import ClusterConfig, ServerConfig
 from cpgbroker.runtime.member.member import ClusterNode, member_id
+from cpgbroker.runtime.process.assembly import assemble
 from cpgbroker.wire.framer import PROTOCOL_HEADER
 from fakecpg import Bus, FakeCpg
 
@@ -90,7 +91,7 @@ async def start(
         cfg = ServerConfig(cluster=ClusterConfig(group="g", size=size, **kw))
         cpg = FakeCpg(bus, nid)
         cpgs.append(cpg)
-        nodes.append(ClusterNode(cfg, cpg, member_id(nid, 1000)))  # type: ignore[arg-type]
+        nodes.append(assemble(cfg, cpg, member_id(nid, 1000)))  # type: ignore[arg-type]
     ids = range(1, size + 1)
     bus.post(
         ConfChg(

@@ -26,6 +26,7 @@ from cpgbroker.model.events import ClientData, Tick
 from cpgbroker.model.state import snapshot
 from cpgbroker.runtime.config.settings import ClusterConfig, ServerConfig
 from cpgbroker.runtime.member.member import ClusterNode, member_id
+from cpgbroker.runtime.process.assembly import assemble
 from fakecpg import Bus, FakeCpg, FakeQuorum
 from nodeharness import (
     Client,
@@ -321,9 +322,9 @@ async def test_a_held_member_vouches_only_for_the_event_before_the_failed_one() 
         cpgs[0].paused = cpgs[1].paused = True
         await traffic(a, client, 1)
         await until(lambda: c.stall.stalled is not None)
-        assert c.broker.event_seq == at and c.applied_seq() == at - 1
-        assert c.stable_seq() <= at - 1
-        report = c.report()
+        assert c.broker.event_seq == at and c.stream.applied_seq() == at - 1
+        assert c.stream.stable_seq() <= at - 1
+        report = c.stream.report()
         assert report.endswith((at - 1).to_bytes(8, "big")), "progress names the event before"
         nursery.cancel_scope.cancel()
 
@@ -336,7 +337,7 @@ def test_a_member_that_caught_up_past_an_event_the_cluster_failed_takes_a_fresh_
     def newcomer(quorum: FakeQuorum | None) -> ClusterNode:
         cfg = ServerConfig(cluster=ClusterConfig(group="g", size=3))
         cpg = FakeCpg(Bus(), 3)
-        return ClusterNode(cfg, cpg, member_id(3, 1000), quorum=quorum)  # type: ignore[arg-type]
+        return assemble(cfg, cpg, member_id(3, 1000), quorum=quorum)  # type: ignore[arg-type]
 
     m1, m2 = member_id(1, 1000), member_id(2, 1000)
     failed = Round(

@@ -9,7 +9,8 @@ import trio
 from cpgbroker.corosync.events import ConfChg, Member, MemberChange, Reason
 from cpgbroker.model.events import ClientConnected, ClientData
 from cpgbroker.runtime.config.settings import ClusterConfig, ServerConfig
-from cpgbroker.runtime.member.member import ClusterNode, member_id
+from cpgbroker.runtime.member.member import member_id
+from cpgbroker.runtime.process.assembly import assemble
 from cpgbroker.wire.framer import PROTOCOL_HEADER
 from fakecpg import Bus, FakeCpg
 
@@ -21,7 +22,7 @@ async def test_a_burst_past_max_lag_does_not_stall_the_cluster() -> None:
     nodes = []
     for nid in (1, 2):
         cfg = ServerConfig(cluster=ClusterConfig(group="g", size=2, max_lag=100))
-        nodes.append(ClusterNode(cfg, FakeCpg(bus, nid), member_id(nid, 1000)))  # type: ignore[arg-type]
+        nodes.append(assemble(cfg, FakeCpg(bus, nid), member_id(nid, 1000)))  # type: ignore[arg-type]
     bus.post(
         ConfChg(
             b"g",

@@ -20,7 +20,8 @@ from cpgbroker.corosync.events import (
     TotemConfChg,
 )
 from cpgbroker.runtime.config.settings import ClusterConfig, ServerConfig
-from cpgbroker.runtime.member.member import ClusterNode, member_id
+from cpgbroker.runtime.member.member import member_id
+from cpgbroker.runtime.process.assembly import assemble
 from fakecpg import Bus, FakeCpg, FakeQuorum
 
 
@@ -42,7 +43,7 @@ async def test_frozen_member_suspends_before_applying_the_others_departure() -> 
     # Every ring is quorate (as in the frozen member's case: it rejoined the full ring).
     for c in cpgs:
         cfg = ServerConfig(cluster=ClusterConfig(group="g", size=3))
-        node = ClusterNode(cfg, c, member_id(c.local_nodeid, 1000), quorum=FakeQuorum())  # type: ignore[arg-type]
+        node = assemble(cfg, c, member_id(c.local_nodeid, 1000), quorum=FakeQuorum())  # type: ignore[arg-type]
         nodes.append(node)
     start = ConfChg(
         b"g",

@@ -19,6 +19,7 @@ Flow control, end to end:
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
@@ -485,6 +486,28 @@ class AmqpServer:
         await self.close_all(int(ReplyCode.CONNECTION_FORCED), "broker shutdown")
         with trio.move_on_after(grace):
             await self.all_closed.wait()
+
+    async def let_clients_go(self, grace: float) -> None:
+        """The clients were told to go already: up to ``grace`` seconds to read their
+        connection.close and leave; the rest are cut."""
+        with trio.move_on_after(grace):
+            while self.local:
+                await trio.sleep(0.02)
+        self.cancel_clients()
+
+    async def drop_clients(self, text: str) -> None:
+        """connection.close 320 with ``text`` straight to every client's socket, without the
+        model (its member is leaving the cluster), then close them."""
+        frame = forced_close_frame(text)
+        for lc in list(self.local.values()):
+            with (
+                trio.move_on_after(1),
+                contextlib.suppress(
+                    trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError
+                ),
+            ):
+                await lc.stream.send_all(frame)
+            await lc.stream.aclose()
 
 
 async def _linger(stream: ClientStream) -> None:

@@ -50,6 +50,7 @@ class ErrorChecks:
         eventlog: EventLog,
         stops: Stops,
         newcomer: Newcomer,
+        stall: Stall,
         *,
         fail_event: Callable[[Any, int], None],
         recorded: Callable[[], None],
@@ -60,9 +61,10 @@ class ErrorChecks:
         that failed it alike does, then go on as after an applied event; ``recorded()``: go
         on as after an event recorded (the event log is given up); ``replay(event, sender)``:
         one kept item, in order; ``resync(rejoin, leave)``: this member's state cannot be
-        trusted."""
+        trusted. ``stall`` is the member's stream's (``runtime/member/stream.py``), which
+        reads from it what this member vouches for."""
         self.me = me
-        self.stall = Stall(me)
+        self.stall = stall
         self._membership = membership
         self._send = send
         self._eventlog = eventlog

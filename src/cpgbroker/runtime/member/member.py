@@ -9,14 +9,23 @@ every decision at the same point of the order.
 
 Theory of operation
 -------------------
-:class:`ClusterNode` is a coordinator. It owns the model and the deliver loop: it takes CPG
-deliveries in total order, routes each item to the component whose job it is and executes
-what they return. Each component owns its state and never imports this module:
+:class:`ClusterNode` is a coordinator. It owns the deliver loop: it takes CPG deliveries in
+total order, routes each item to the component whose job it is and executes what they return.
+It builds only its own components; the process wing builds the rest and hands them in as one
+:class:`~cpgbroker.runtime.member.parts.Parts` (``runtime/process/assembly.py``). Each
+component owns its state and never imports this module:
 
+* ``runtime/member/stream.py``: the broker the stream is applied to (swapped on a state
+  update's install and on resuming a kept state), how far every member stands (applied,
+  stable, durable, lag, the progress report), and whether this member serves;
 * ``runtime/amqp/server.py`` :class:`~cpgbroker.runtime.amqp.server.AmqpServer`: client I/O; it is
   given the replication mode's sequencer and the confirm gate;
 * ``runtime/replication/modes.py``: the replication mode (replaying client bytes, or shipping
   state changes), called wherever the modes differ without asking which one it is;
+* ``runtime/member/roster.py``: hellos, joins and leaves, partition merges, and the state kept
+  since quorum was lost until it is resumed or given up;
+* ``runtime/member/applying.py``: applying an event routed to the model, then recording,
+  reporting and digesting it;
 * ``runtime/member/multicast.py``: submit, direct sends, batching, the sender task, the lag wait;
 * ``cluster/progress.py`` (pure): peer progress, the stable sequence, report pacing;
   ``runtime/amqp/confirms.py``: local output held until its confirm is stable;
@@ -25,10 +34,10 @@ what they return. Each component owns its state and never imports this module:
 * ``runtime/member/eventlog.py``: the event log and injected faults;
 * ``runtime/member/errorcheck_rounds.py``: this member's side of error-check rounds, over
   ``cluster/errorcheck_stall.py`` (pure);
-* ``cluster/merge.py`` (pure): partition merge verdicts; ``cluster/quorum.py``: ring gating;
+* ``cluster/quorum.py`` (pure, through ``runtime/member/ringgate.py``): ring gating;
 * ``runtime/member/stops.py``: stop requests;
 * ``store/`` (through ``runtime/member/storelink.py``): the member's durable store, which journals
-  every applied event (``_after_apply``) and whose fsyncs come back as ``on_durable``.
+  every applied event (``runtime/member/applying.py``) and whose fsyncs come back as ``on_durable``.
 
 What stays here is the order of things: which component sees an event, in which state of the
 member, and what a decision means for the others (suspending, resynchronising, leaving).
@@ -36,22 +45,16 @@ member, and what a decision means for the others (suspending, resynchronising, l
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import functools
-import json
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
 import trio
 
-from cpgbroker import __version__
 from cpgbroker.cluster import codec
 from cpgbroker.cluster.codec import (
-    STATUS_NAMES,
     STATUS_READY,
     Checkpoint,
     ErrorCheck,
@@ -59,23 +62,12 @@ from cpgbroker.cluster.codec import (
     Progress,
     StopRequest,
     UpdateRequest,
-    software_label,
 )
 from cpgbroker.cluster.membership import (
-    NEEDS_UPDATE,
     READY,
-    ApplyToModel,
-    BecomeReady,
-    Fatal,
-    Membership,
-    NeedUpdate,
-    ResumeState,
     SendHello,
-    StartAt,
     member_id,
 )
-from cpgbroker.cluster.merge import Partitions
-from cpgbroker.cluster.progress import PeerProgress
 from cpgbroker.corosync.events import (
     ConfChg,
     CpgEvent,
@@ -85,44 +77,29 @@ from cpgbroker.corosync.events import (
     TotemConfChg,
 )
 from cpgbroker.errors import ClusterError
-from cpgbroker.model import NEWEST, OLDEST, RAISE_MODEL_VERSION, Broker
+from cpgbroker.model import RAISE_MODEL_VERSION, Broker
 from cpgbroker.model.events import (
     AdminCommand,
-    Changes,
-    ClientConnected,
     ClientData,
-    MemberLeft,
-    Recovered,
     Tick,
 )
-from cpgbroker.runtime.admin.admindesk import AdminDesk
-from cpgbroker.runtime.amqp.confirms import ConfirmGate
-from cpgbroker.runtime.amqp.server import AmqpServer, ClientStream, forced_close_frame
-from cpgbroker.runtime.config.digest import config_digest
+from cpgbroker.runtime.amqp.server import ClientStream
 from cpgbroker.runtime.config.settings import ServerConfig
-from cpgbroker.runtime.federation.links import FederationLinks, client_context
-from cpgbroker.runtime.member.applytimes import APPLY_SAMPLE, ApplyTimes
+from cpgbroker.runtime.member.applying import Applier
 from cpgbroker.runtime.member.checkpoints import Checkpointer
-from cpgbroker.runtime.member.cpg_trio import TrioCpg
 from cpgbroker.runtime.member.errorcheck_rounds import ErrorChecks
-from cpgbroker.runtime.member.eventlog import EventLog
-from cpgbroker.runtime.member.lease import LAPSED, PrimaryLease
-from cpgbroker.runtime.member.multicast import Multicaster
+from cpgbroker.runtime.member.lease import LAPSED
+from cpgbroker.runtime.member.parts import Parts
 from cpgbroker.runtime.member.quorum_trio import TrioQuorum
 from cpgbroker.runtime.member.ringgate import VERDICT_TIMEOUT, RingGate
-from cpgbroker.runtime.member.stops import STOP_SETTLE, Stops
+from cpgbroker.runtime.member.roster import Roster
+from cpgbroker.runtime.member.stops import STOP_SETTLE
+from cpgbroker.runtime.member.stream import admin_settled, version_verdict
 from cpgbroker.runtime.member.watchdog import ApplyMark
-from cpgbroker.runtime.replication.modes import ReplayingBytes, Replication, ShippingChanges
-from cpgbroker.runtime.replication.shipping import Shipping
-from cpgbroker.runtime.replication.standby import HotStandby, primary_of
-from cpgbroker.runtime.update.giving import DeferredUpdate, Updater
-from cpgbroker.runtime.update.taking import Newcomer
+from cpgbroker.runtime.update.giving import DeferredUpdate
 from cpgbroker.store.store import Store
 
 log = logging.getLogger("cpgbroker.member")
-
-# What this member announces in its hello: its release and the model versions it applies.
-SOFTWARE = software_label(__version__, OLDEST, NEWEST)
 
 # After quorum loss, how long clients get to read connection.close before being cut.
 SUSPEND_GRACE = 2.0
@@ -163,86 +140,53 @@ class ClusterNode:
     def __init__(
         self,
         config: ServerConfig,
-        cpg: TrioCpg,
-        member: int,
+        parts: Parts,
         *,
         quorum: TrioQuorum | None = None,
         inherited: Inherited | None = None,
     ) -> None:
+        """``parts`` are what the process wing built for this incarnation
+        (``runtime/process/assembly.py``): the member builds only its own components."""
         cluster = config.cluster
         assert cluster is not None
         inherited = Inherited() if inherited is None else inherited
-        kept, store, forced = inherited.kept, inherited.store, inherited.forced
         self.config = config
-        self.member = member
+        stream = self.stream = parts.stream
+        self.member = stream.me
         # Without a quorum handle (unit tests on an in-memory bus) nothing is gated.
         self.quorum = quorum
-        # Set when this member stopped serving for good in this incarnation (quorum lost,
-        # or merged back on the smaller side): why, for logs, clients and status.
-        self.suspended: str | None = None
-        # Set when this member must leave the cluster: why.
-        self.failure: str | None = None
+        self.service = parts.service
         self.scope: trio.CancelScope | None = None
         # Holds ring changes until votequorum's verdict on the new ring.
         self.gate = None if quorum is None else RingGate(quorum)
-        # The model a previous incarnation held when quorum was lost, or the process recovered
-        # from its store, with its history epoch: offered in our hellos, resumed only if no
-        # member serves (the whole cluster lost quorum or stopped).
-        self.kept = kept
-        # The kept model was recovered from the store after the process (re)started: resuming
-        # it drops what a broker restart drops (``Recovered``).
-        self.restarted = inherited.restarted
-        # This member's durable store (None: memory only). It journals every applied event.
-        self.store = store
         # Its state must not be offered again when it rejoins (it holds what the serving
         # members do not): merged back on the smaller side, or applied an event the cluster
         # failed while it was catching up.
         self.discard_state = False
-        self.ready = trio.Event()
-        self.broker = Broker(config.broker)
-        # A forced boot (``--force-boot``) does not wait for the other members' stores.
-        self.forced = forced
-        # ``[store] recover_with = "majority"``: a majority of ``size`` decides a restart,
-        # and confirms that wait for the stores need that many serving.
-        self.store_quorum = (
-            cluster.size // 2 + 1
-            if config.store is not None and config.store.recover_with == "majority"
-            else 0
-        )
-        self.membership = Membership(
-            member,
-            1 if forced else cluster.size,
-            # A member with kept state announces its version; one without, the lowest it
-            # applies (what a member of an older release expects to hear).
-            OLDEST if kept is None else kept[0].version.current,
-            config_digest(config),
-            cluster.url,
-            self.store_quorum,
-            (OLDEST, NEWEST),
-        )
-        self.progress = PeerProgress(member, cluster.max_lag)
-        self.multicast = Multicaster(cpg, self.progress, self.lag, self.report)
-        send = self.multicast.send_control
-        # Hot standby: who takes clients (runtime/replication/standby.py); None: every member does.
-        self.standby = (
-            HotStandby(member, lambda: self.membership, lambda: self.serving)
-            if cluster.mode == "hot-standby"
-            else None
-        )
-        self._build_wings(config, cpg, inherited)
-        # A sample of how long events take to apply (runtime/member/applytimes.py).
-        self.apply_times = ApplyTimes()
-        self.broker.set_local_member(member)
-        self.eventlog = EventLog(cluster.event_log, member, inherited.incarnation)
+        # The stream's, bound here for the hot path (never swapped).
+        self.membership = stream.membership
+        self.multicast = parts.multicast
+        self.standby = parts.standby
+        self.replication = parts.replication
+        self.confirms = parts.confirms
+        self.io = parts.io
+        self.desk = parts.desk
+        self.federation = parts.federation
+        self.eventlog = parts.eventlog
+        self.newcomer = parts.newcomer
+        self.updater = parts.updater
+        self.stops = parts.stops
+        # Read on the hot path (one attribute load): is this member held by a round?
+        self.stall = stream.stall
+        self._build_own(cluster.checkpoint_every, inherited)
+
+    def _build_own(self, checkpoint_every: int, inherited: Inherited) -> None:
+        """The member's own components, each on the ones before; the error-check rounds
+        call back into the member (a failed event, a kept item, a resync)."""
+        member, stream, send = self.member, self.stream, self.multicast.send_control
         self.checkpoints = Checkpointer(
-            member, cluster.checkpoint_every, send, self.eventlog, self._vouches
+            member, checkpoint_every, send, self.eventlog, self._vouches
         )
-        self.partitions = Partitions()
-        self.newcomer = Newcomer(member, self.membership, config.broker, send, self._install)
-        self.updater = Updater(
-            member, inherited.incarnation, cluster.update_rate_limit, inherited.updates
-        )
-        self.stops = Stops(member, self.multicast, self.eventlog)
         self.errorchecks = ErrorChecks(
             member,
             self.membership,
@@ -250,64 +194,66 @@ class ClusterNode:
             self.eventlog,
             self.stops,
             self.newcomer,
+            self.stall,
             fail_event=self._fail_event,
-            recorded=self._report_and_digest,
+            recorded=self._recorded,
             replay=self._replay_kept,
             resync=self._resync,
         )
-        # Read on the hot path (one attribute load): is this member held by a round?
-        self.stall = self.errorchecks.stall
-        # The event being applied, for the watchdog's feeder thread (runtime/member/watchdog.py).
-        self.applying = ApplyMark() if inherited.applying is None else inherited.applying
+        # Applies what the stream routes to the model (runtime/member/applying.py).
+        self.applier = Applier(
+            stream,
+            self.service,
+            replication=self.replication,
+            io=self.io,
+            eventlog=self.eventlog,
+            updater=self.updater,
+            multicast=self.multicast,
+            checkpoints=self.checkpoints,
+            errorchecks=self.errorchecks,
+            # Shared with the watchdog's feeder thread (runtime/member/watchdog.py).
+            mark=ApplyMark() if inherited.applying is None else inherited.applying,
+        )
+        # Hellos, joins and leaves, partition merges, the kept state (runtime/member/roster.py).
+        self.roster = Roster(
+            stream,
+            self.service,
+            multicast=self.multicast,
+            replication=self.replication,
+            newcomer=self.newcomer,
+            checkpoints=self.checkpoints,
+            errorchecks=self.errorchecks,
+            stops=self.stops,
+            eventlog=self.eventlog,
+            now_ms=self.io.now_ms,
+            kept=inherited.kept,
+            restarted=inherited.restarted,
+            forced=inherited.forced,
+            apply=self.applier.apply,
+            resync=self._resync,
+        )
 
-    def _build_wings(self, config: ServerConfig, cpg: TrioCpg, inherited: Inherited) -> None:
-        """The parts of other wings the member drives (the replication mode, the clients'
-        side with its confirm gate, the admin desk, the federation links), each built on the
-        one before; the mode is handed the rest in one attach. Kept apart from the member's
-        own components so that a builder in the process wing can take them over whole."""
-        cluster = config.cluster
-        assert cluster is not None
-        member = self.member
-        # How this member's clients' changes reach the others (runtime/replication/modes.py):
-        # the member calls it wherever the modes differ, without asking which one it is.
-        self.replication = self._replication(config, cpg)
-        replication = self.replication
-        self.confirms = ConfirmGate(replication.number)
-        self.io = AmqpServer(
-            config,
-            member,
-            sequencer=replication.sequencer,
-            gate=self.confirms,
-            conn_counter=inherited.conn_counter,
-        )
-        # Operators' changes: answered once as safe as a durable confirm.
-        self.desk = AdminDesk(
-            member, replication.submit_admin, replication.number, settled=self._admin_settled
-        )
-        self.io.desk = self.desk
-        # The federation links this member runs (runtime/federation/links.py).
-        self.federation = FederationLinks(
-            member,
-            config.broker.server_id,
-            # Without a server id, the CPG group names the cluster upstream (stable across
-            # restarts, unlike member ids: the upstream queue must keep its name).
-            config.broker.server_id or cluster.group,
-            self.desk,
-            lambda: self.view,
-            lambda: replication.link_members(self.membership),
-            lambda: self.serving and self.stops.halted is None and replication.active,
-            client_context(config.tls),
-            cluster_name=config.broker.cluster_name,
-        )
-        replication.attach(
-            self.io,
-            self.confirms,
-            self.desk,
-            stored=inherited.store is not None,
-            on_cut=self.federation.applied,
-            heartbeat=lambda: self.multicast.send_control(self.report()),
-            lapsed=self._lease_lapsed,
-        )
+    @property
+    def broker(self) -> Broker:
+        """The broker the stream is applied to now (swapped on install and resume)."""
+        return self.stream.broker
+
+    @property
+    def kept(self) -> tuple[Broker, int] | None:
+        """The state kept since quorum was lost (or recovered), until resumed or given up."""
+        return self.roster.kept
+
+    @property
+    def ready(self) -> trio.Event:
+        return self.service.ready
+
+    @property
+    def suspended(self) -> str | None:
+        return self.service.suspended
+
+    @property
+    def failure(self) -> str | None:
+        return self.service.failure
 
     # ------------------------------------------------------------------ for the process
 
@@ -334,32 +280,7 @@ class ClusterNode:
             tasks.append(functools.partial(standby.watch, self.io.close_all))
         return [*tasks, *self.replication.tasks()]
 
-    def _replication(self, config: ServerConfig, cpg: TrioCpg) -> Replication:
-        """The replication mode of the configuration (runtime/replication/modes.py)."""
-        cluster = config.cluster
-        assert cluster is not None
-        if cluster.replication != "changes":
-            return ReplayingBytes(self.multicast, self._event_seq)
-        # Shipping changes needs hot standby (the configuration says so).
-        assert self.standby is not None
-        shipping = Shipping(
-            self.member,
-            cluster.replicate,
-            config.tick_ms,
-            self.multicast.submit_nowait,
-            lambda: self.multicast.queued_bytes,
-        )
-        return ShippingChanges(
-            shipping,
-            self.standby,
-            # The primary keeps its clients while the ring carries its messages
-            # (runtime/member/lease.py).
-            PrimaryLease(lambda: cpg.last_own_sent_at),
-            self._version_verdict,
-            cluster.netns or None,
-        )
-
-    def _lease_lapsed(self, length: float) -> None:
+    def lease_lapsed(self, length: float) -> None:
         """No message of ours came back through the ring for the lease's ``length``: another
         member may be primary by now. Stop serving before a client can tell two apart, and
         come back as a backup (runtime/member/lease.py, "After a lapse")."""
@@ -372,7 +293,7 @@ class ClusterNode:
 
     @property
     def serving(self) -> bool:
-        return self.ready.is_set() and self.suspended is None
+        return self.service.serving
 
     @property
     def halted(self) -> int | None:
@@ -385,7 +306,7 @@ class ClusterNode:
 
     def fail(self, reason: str) -> None:
         """This member must leave the cluster (the process ends the incarnation)."""
-        self.failure = reason
+        self.service.failure = reason
         self.multicast.silenced = True
 
     def state_to_keep(self) -> tuple[Broker, int] | None:
@@ -395,7 +316,7 @@ class ClusterNode:
             return None  # the serving members' state replaces ours
         ring = None if self.gate is None else self.gate.ring
         if self.ready.is_set() and ring is not None:
-            return self.broker, self.epoch()
+            return self.stream.broker, self.epoch()
         # Suspended before serving: still what it was offered with, unless a serving member
         # was seen meanwhile (then that member's state replaces it, and offering the old one
         # again could resume stale state).
@@ -403,12 +324,12 @@ class ClusterNode:
 
     def epoch(self) -> int:
         """The history epoch of this member's state (see cluster/membership.py)."""
-        return 1 if self.store is None else self.store.epoch
+        return self.stream.epoch()
 
     def inject_fault(self, kind: str, at_seq: int, seconds: float = 0.0) -> dict[str, Any]:
         """Make this member fail (or be slow) at event ``at_seq`` (tests; ``[cluster]
         fault_injection``)."""
-        return self.eventlog.inject(kind, at_seq, self.broker.event_seq + 1, seconds)
+        return self.eventlog.inject(kind, at_seq, self.stream.broker.event_seq + 1, seconds)
 
     async def request_stop(self, target: int, timeout: float = 10.0) -> int:
         """Ask ``target`` (0: every member) to stop; the event seq where the request took
@@ -447,83 +368,23 @@ class ClusterNode:
     async def let_clients_go(self, grace: float) -> None:
         """Told to go already: the clients get up to ``grace`` seconds to read their
         connection.close and leave; the rest are cut."""
-        with trio.move_on_after(grace):
-            while self.io.local:
-                await trio.sleep(0.02)
-        self.io.cancel_clients()
+        await self.io.let_clients_go(grace)
 
     async def drop_clients(self, text: str) -> None:
         """Leaving the cluster: our clients must fail over; tell them why, then drop them. The
         other members see us leave through CPG and close our clients' shadows at that point."""
-        frame = forced_close_frame(text)
-        for lc in list(self.io.local.values()):
-            with (
-                trio.move_on_after(1),
-                contextlib.suppress(
-                    trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError
-                ),
-            ):
-                await lc.stream.send_all(frame)
-            await lc.stream.aclose()
+        await self.io.drop_clients(text)
 
     # ------------------------------------------------------------------ progress
-
-    def _event_seq(self) -> int:
-        return self.broker.event_seq
 
     def _vouches(self) -> bool:
         return self.suspended is None and self.stops.halted is None
 
-    def lag(self) -> int:
-        """How many events the slowest ready member is behind this one, in applying them or
-        in writing them to its store (a disk slower than the publishers pushes back too)."""
-        seq = self.broker.event_seq
-        lag = self.progress.lag(seq, self.membership.ready_members)
-        if self.store is not None:
-            lag = max(lag, seq - self.durable_seq())
-        return lag
-
-    def applied_seq(self) -> int:
-        """The last event this member vouches for (before a failed one it is stalled at)."""
-        return self.stall.applied(self.broker.event_seq)
-
-    def stable_seq(self) -> int:
-        """The highest event every ready member (this one included) is known to have
-        applied: confirms for events up to it may go out."""
-        return self.progress.stable(self.applied_seq(), self.membership.ready_members)
-
-    def durable_seq(self) -> int:
-        """The last event this member's store holds (all it applied, without a store)."""
-        applied = self.applied_seq()
-        store = self.store
-        return applied if store is None else min(applied, store.durable)
-
-    def durable_stable_seq(self) -> int:
-        """The highest event every ready member's store is known to hold: confirms of
-        persistent messages on durable queues up to it may go out."""
-        return self.progress.durable_stable(
-            self.durable_seq(), self.membership.ready_members, self.store_quorum
-        )
-
-    def report(self) -> bytes:
-        """Our progress report as of now (at least the events that asked for it)."""
-        return self._progress_report(self.applied_seq())
-
-    def _progress_report(self, seq: int) -> bytes:
-        durable = self.durable_seq()
-        self.progress.durable_reported = durable
-        return codec.encode(Progress(self.member, seq, durable))
-
     def _stable_marks(self) -> tuple[int, int | None]:
-        """What held output waits for that every ready member applied, and (None: no store)
-        stored: events, or (shipping changes) our batches."""
-        durable = None if self.store is None else self.durable_stable_seq()
-        return self.replication.stable(self.stable_seq(), durable)
+        return self.stream.stable_marks(self.replication.stable)
 
     def _admin_settled(self) -> int:
-        """The highest event (or batch) whose changes an operator may be told are done."""
-        applied, stored = self._stable_marks()
-        return applied if stored is None else stored
+        return admin_settled(self.stream, self.replication.stable)
 
     def _release_stable(self) -> None:
         applied, stored = self._stable_marks()
@@ -538,7 +399,7 @@ class ClusterNode:
             return
         if self.confirms.holding or self.desk.unsettled:
             self._release_stable()
-        if self.membership.state == READY and self.progress.durable_report_due(seq):
+        if self.membership.state == READY and self.stream.progress.durable_report_due(seq):
             self.multicast.report_soon(False)
         self.multicast.progress_changed()
 
@@ -547,7 +408,7 @@ class ClusterNode:
     async def deliver_loop(self) -> None:
         cpg = self.multicast.cpg
         # Bound once: the set is updated in place.
-        shunned = self.partitions.shunned
+        shunned = self.roster.partitions.shunned
         on_event = self._on_event
         gate = self.gate
         # Stream items of a ring change, held until the new ring's quorum verdict (see
@@ -587,11 +448,11 @@ class ClusterNode:
                             # token sees the others leave and come back in one change: if it
                             # lost the merge, it must not apply their departure (requeue their
                             # messages, hand them to its own consumers) first.
-                            others = self.partitions.lost_in(
+                            others = self.roster.partitions.lost_in(
                                 batch, i, list(self.membership.members)
                             )
                             if others is not None:
-                                self._lose_merge(others)
+                                self.roster.lose_merge(others)
                                 return
                             why = await gate.verdict(ring)
                             if why is not None:
@@ -604,7 +465,7 @@ class ClusterNode:
             # waits for every member's report, so report now rather than PROGRESS_EVERY
             # events later (our own clients' confirms need no report from us); and release
             # what the reports received made stable.
-            if self.broker.shadow_confirms != self.progress.confirms_seen:
+            if self.stream.broker.shadow_confirms != self.stream.progress.confirms_seen:
                 self._report_for_confirms()
             self.io.answer_expected = False
             if self.confirms.holding or self.desk.unsettled:
@@ -615,14 +476,14 @@ class ClusterNode:
             self.federation.applied()
 
     def _report_for_confirms(self) -> None:
-        broker = self.broker
-        progress = self.progress
+        broker = self.stream.broker
+        progress = self.stream.progress
         progress.confirms_seen = broker.shadow_confirms
-        if self.store is not None and not progress.confirms_moved(
+        if self.stream.store is not None and not progress.confirms_moved(
             broker.shadow_confirms,
             broker.shadow_durable_confirms,
             broker.event_seq,
-            self.durable_seq(),
+            self.stream.durable_seq(),
         ):
             return  # our store's report releases them (on_durable)
         if self.suspended is not None or self.membership.state != READY:
@@ -639,10 +500,12 @@ class ClusterNode:
         """
         if self.suspended is not None or self.failure is not None:
             return
-        self.suspended = reason
+        self.service.suspended = reason
         self.multicast.silenced = True
         log.error("stopping client service: %s", reason)
-        self.eventlog.write({"type": "suspend", "seq": self.broker.event_seq, "reason": reason})
+        self.eventlog.write(
+            {"type": "suspend", "seq": self.stream.broker.event_seq, "reason": reason}
+        )
         # Output waiting to be stable never goes out: its events may be missing on the quorate
         # side, so its confirms are not owed (the publisher treats those messages as unknown).
         self.confirms.drop()
@@ -683,21 +546,21 @@ class ClusterNode:
 
     def _on_cpg_item(self, ev: Any) -> None:
         if type(ev) is ConfChg:
-            self._on_confchg(ev)
+            self.roster.on_confchg(ev)
         elif type(ev) is PartitionMerge:
-            self._on_partition_merge(ev)
+            self.roster.on_partition_merge(ev)
 
     def _process_event(self, e: Any, sender: int) -> None:
         t = type(e)
         membership = self.membership
         if t is Hello:
-            self._on_hello(e, sender)
+            self.roster.on_hello(e, sender)
             return
         if t is UpdateRequest:
             self._on_update_request(e)
             return
         if t is Progress:
-            self.progress.on_report(e.member, e.seq, e.durable)
+            self.stream.progress.on_report(e.member, e.seq, e.durable)
             self.multicast.progress_changed()
             return
         if t is Checkpoint:
@@ -726,314 +589,12 @@ class ClusterNode:
         if t is AdminCommand and e.op == RAISE_MODEL_VERSION:
             # Decided here, at its point of the stream, even if an error-check round holds
             # it: the membership goes on changing meanwhile.
-            e = self._version_verdict(e)
+            e = version_verdict(self.membership, e)
         stall = self.stall
         if stall.stalled is not None:
             stall.hold(e, sender)
             return
-        self._apply_stream(e, sender)
-
-    def _apply_stream(self, e: Any, sender: int) -> None:
-        """Apply one event of the stream. An exception here is an error the stream does not
-        explain (the same event applies cleanly elsewhere, or everywhere fails alike): the
-        cluster decides in an error-check round."""
-        raising = type(e) is AdminCommand and e.op == RAISE_MODEL_VERSION
-        replication = self.replication
-        if not replication.takes(e, sender, self.membership):
-            return
-        broker = self.broker
-        seq = broker.event_seq + 1
-        mark = self.applying
-        mark.seq = seq
-        try:
-            events = self.eventlog
-            if events.faults:
-                events.before_apply(seq)
-            # A suspended member's model is about to be discarded: nothing more reaches
-            # clients.
-            if self.suspended is None:
-                if seq & (APPLY_SAMPLE - 1):
-                    self.io.execute(broker.apply(e))
-                else:
-                    started = time.perf_counter()
-                    effects = broker.apply(e)
-                    self.apply_times.observe(time.perf_counter() - started)
-                    self.io.execute(effects)
-        except Exception as exc:
-            mark.seq = 0
-            # Counted as applied either way: the members that continue agree on the count.
-            broker.count_failed_event(seq)
-            self.errorchecks.local_error(
-                seq, f"apply-error: {type(exc).__name__}", str(exc), e, sender
-            )
-            return
-        mark.seq = 0
-        # (Shipping changes, a change batch carries the primary's version:
-        # model/standby/replica.py.)
-        if (
-            raising or type(e) is Changes
-        ) and broker.version.current != self.membership.model_version:
-            self._set_version(broker.version.current)
-        if type(e) is ClientConnected and e.member != self.member:
-            broker.set_emit(e.conn, False)
-        else:
-            replication.applied(broker, sender, self.updater)
-        self._after_apply(e, sender)
-
-    def _version_verdict(self, e: AdminCommand) -> AdminCommand:
-        """The operator's ``cluster upgrade-finish`` carries, from here on (the store journals
-        it so, and a restart replays it so), whether every member applies the version it asks
-        for: the membership at this point of the stream decides, alike on every member."""
-        try:
-            args = json.loads(e.args)
-        except ValueError:
-            return e  # the model answers 400
-        if not isinstance(args, dict) or isinstance(args.get("refused"), str):
-            return e
-        version = args.get("version")
-        if not isinstance(version, int):
-            return e
-        refused = self.membership.refuse_version(version)
-        if refused is None:
-            return e
-        args["refused"] = refused
-        return attrs.evolve(e, args=json.dumps(args).encode())
-
-    def _set_version(self, version: int) -> None:
-        """This member's state runs model ``version`` from here on."""
-        before = self.broker.version.current
-        self.broker.version.adopt(version)
-        self.membership.model_version = version
-        if self.store is not None:
-            # Before the events of the new version are journaled: a release that cannot
-            # apply them never recovers this store.
-            self.store.set_model_version(version)
-        if version != before:
-            log.info(
-                "model version %d (was %d) from event %d", version, before, self.broker.event_seq
-            )
-
-    def _after_apply(self, e: Any, sender: int, failed: bool = False) -> None:
-        if self.suspended is not None:
-            # Not applied (see _apply_stream): nothing to log, report or digest.
-            return
-        store = self.store
-        if store is not None:
-            seq = self.broker.event_seq
-            err = store.record(seq, e, self.broker, failed)
-            if err is not None:
-                # The store could not write (or fsync) an event: it can no longer vouch for
-                # what this member applies. Whether the member may go on is the cluster's call
-                # (a disk that fails alone makes its member leave).
-                name = errno.errorcode.get(err.errno or 0, "EIO")
-                self.errorchecks.local_error(seq, f"store-write: {name}", str(err), e, sender)
-                return
-        events = self.eventlog
-        if events.file is not None:
-            seq = self.broker.event_seq
-            err = events.record(seq, e, sender, len(e.data) if type(e) is ClientData else 0)
-            if err is not None:
-                # This member could not record the event: the others may have. Whether it
-                # may go on is the cluster's call.
-                name = errno.errorcode.get(err.errno or 0, "EIO")
-                self.errorchecks.local_error(seq, f"store-write: {name}", str(err), e, sender)
-                return
-        self._report_and_digest()
-
-    def _report_and_digest(self) -> None:
-        seq = self.broker.event_seq
-        if self.stall.owed:
-            self.errorchecks.pay_owed(seq)
-        if seq % self.progress.every == 0:
-            self.multicast.send_control(self._progress_report(seq))
-        if seq % self.checkpoints.every == 0 and not self.broker.replication.catching_up:
-            # (A replica's state update from the back left out what consumers took while it
-            # was sent, which the others still hold at checkpoints until the replay reaches
-            # those takes: a newcomer vouches for its state once it has caught up.)
-            self.checkpoints.take(seq, self.broker)
-
-    # ------------------------------------------------------------------ membership
-
-    def _on_hello(self, e: Hello, sender: int) -> None:
-        membership = self.membership
-        was = membership.members.get(e.member)
-        newly_ready = e.status == STATUS_READY and (was is None or was.status != STATUS_READY)
-        self._act(membership.on_hello(e))
-        if newly_ready:
-            # A member that just caught up through an update: count its lag from here.
-            self.progress.newly_ready(e.member, self.broker.event_seq)
-        if self.eventlog.file is not None:
-            self.eventlog.event(
-                self.broker.event_seq,
-                "hello",
-                sender,
-                None,
-                0,
-                status=STATUS_NAMES.get(e.status, "?"),
-            )
-        if membership.state == NEEDS_UPDATE and self.newcomer.attempt is None:
-            self.newcomer.request()
-        self._check_role()
-
-    def _on_confchg(self, ev: ConfChg) -> None:
-        members, joined, left = self.partitions.view(ev)
-        self.progress.forget(left)
-        for m in ev.left:
-            log.warning(
-                "member left member=%s node=%s pid=%s reason=%s",
-                member_id(m.nodeid, m.pid),
-                m.nodeid,
-                m.pid,
-                m.reason.name,
-            )
-        for m in ev.joined:
-            log.info("member joined node=%s pid=%s", m.nodeid, m.pid)
-        self._act(self.membership.on_confchg(members, joined, left))
-        self.newcomer.members_left(left)
-        if left and self.membership.state == READY:
-            self.checkpoints.members_changed(self.membership.ready_members)
-            self.errorchecks.members_left(left)
-        self._check_role()
-
-    def _check_role(self) -> None:
-        """The replication mode may change roles here (shipping changes: become primary when
-        the stream says so, at the same point on every member, or stop serving)."""
-        if self.suspended is not None or self.failure is not None:
-            return
-        self.replication.check_role(self._primary_here, self.broker)
-
-    def _primary_here(self) -> bool:
-        """Whether the stream makes this member the hot-standby primary now."""
-        primary = primary_of(self.membership)
-        return (
-            self.membership.state == READY
-            and self.ready.is_set()
-            and self.stops.halted is None
-            and primary is not None
-            and primary.member == self.member
-        )
-
-    def _on_partition_merge(self, ev: PartitionMerge) -> None:
-        """Two sides of a partition merged: neither saw what the other applied meanwhile.
-        The side with more members keeps serving (on a tie, the side holding the lowest member
-        id); the other side's members leave, and until they are gone nothing they send is
-        applied. Both sides reach the same verdict: each knows both sides' members."""
-        wins, others = self.partitions.on_merge(ev, self.membership.members)
-        if wins:
-            log.error(
-                "partition healed: members %s come back from another partition with diverged "
-                "state; ignoring them until they leave",
-                others,
-            )
-            self.membership.forget(others)
-            return
-        self._lose_merge(others)
-
-    def _lose_merge(self, others: list[int]) -> None:
-        reason = (
-            "this member was partitioned from the cluster and merged back on the smaller side: "
-            "it missed events the others applied, so its state cannot be trusted"
-        )
-        # With quorum it has not served since the split; it resynchronises instead.
-        self._resync(
-            f"{reason}; rejoining through a state update (other side: {others})",
-            f"{reason}; leaving (other side: {others})",
-        )
-
-    def _act(self, actions: list[Any]) -> None:
-        for a in actions:
-            t = type(a)
-            if t is SendHello:
-                kept = self.kept
-                self.multicast.send_control(
-                    codec.encode(
-                        Hello(
-                            self.member,
-                            a.status,
-                            self.membership.model_version,
-                            self.membership.config_digest,
-                            self.membership.url,
-                            SOFTWARE,
-                            self.io.now_ms(),
-                            0 if kept is None else kept[1],
-                            0 if kept is None else kept[0].event_seq,
-                        )
-                    )
-                )
-            elif t is BecomeReady:
-                # Every member becomes ready at this same event: that is where each of them
-                # stands until it reports more (a member that never reports is then seen to lag).
-                self.progress.estimate(self.membership.ready_members, self.broker.event_seq)
-                log.info(
-                    "cluster ready members=%d clock_master=%s",
-                    len(self.membership.members),
-                    self.membership.clock_master,
-                )
-                self.ready.set()
-                self._check_role()
-            elif t is ApplyToModel:
-                if self.stops.halted is not None:
-                    continue
-                store = self.store
-                if store is not None and store.next_seq != self.broker.event_seq + 1:
-                    # Starting from a state the store does not hold (a fresh start while the
-                    # store kept a discarded state): it holds this one from here.
-                    store.replace(self.broker)
-                if self.stall.stalled is not None:
-                    self.stall.hold(a.event, 0)
-                    continue
-                self._apply_stream(a.event, 0)
-            elif t is NeedUpdate:
-                log.info("%s", a.reason)
-                self.kept = None
-                self.newcomer.request()
-            elif t is ResumeState:
-                self._resume(a.start_ms)
-            elif t is StartAt:
-                # The empty state every starting member holds: it starts at the version they
-                # agreed, before the first event.
-                self._set_version(a.version)
-            elif t is Fatal:
-                raise ClusterError(a.reason)
-
-    def _resume(self, start_ms: int) -> None:
-        """Serve again with the state kept when the whole cluster lost quorum.
-
-        Its connections are all from before the split (no client event precedes this point),
-        so each of their members is treated as gone: connections closed, unacked messages
-        requeued. Nobody else has a model yet: they take updates after this point.
-        """
-        assert self.kept is not None
-        broker, epoch = self.kept
-        self.kept = None
-        self.broker = broker
-        broker.set_local_member(self.member)
-        stale = sorted({codec.split_conn(c)[0] for c in broker.connections})
-        log.warning(
-            "resuming the state %s: epoch %s, event %s, closing the connections of %d former "
-            "members",
-            "recovered from the store" if self.restarted else "kept since quorum was lost",
-            epoch,
-            broker.event_seq,
-            len(stale),
-        )
-        if self.forced and self.store is not None:
-            # The history goes on from here without the members that did not come: a new
-            # epoch, so that it wins over their stores even where they hold more events.
-            epoch = self.store.new_epoch()
-            log.warning(
-                "FORCED BOOT: serving from this member's store alone (now epoch %d, event %d); "
-                "the other members' stores will be replaced by state updates when they join, "
-                "even if they held confirmed messages this one lacks",
-                epoch,
-                broker.event_seq,
-            )
-        self._act([ApplyToModel(MemberLeft(m)) for m in stale])
-        if self.restarted:
-            # After a restart, what AMQP does not keep across one goes (the unacked messages
-            # of the closed connections are back in their queues, marked redelivered).
-            self._act([ApplyToModel(Recovered())])
-        self._act([ApplyToModel(Tick(max(start_ms, broker.now_ms)))])
+        self.applier.apply(e, sender)
 
     # ------------------------------------------------------------------ state update
 
@@ -1043,7 +604,7 @@ class ClusterNode:
             return
         membership = self.membership
         if not self.updater.gives(
-            e, membership, self.broker.version.current, self.stops.halted is not None
+            e, membership, self.stream.broker.version.current, self.stops.halted is not None
         ):
             return
         members = membership.export()
@@ -1057,26 +618,13 @@ class ClusterNode:
 
     def _fork_update(self, e: UpdateRequest, members: list[list[Any]]) -> None:
         """Send our state to the newcomer ``e`` names (as the replication mode sends it)."""
-        self.replication.fork_update(self.updater, e, members, self.broker)
-
-    def _install(self, broker: Broker, members: list[list[Any]]) -> None:
-        """The newcomer installs the state of its update point."""
-        self.broker = broker
-        self.membership.model_version = broker.version.current
-        broker.set_local_member(self.member)
-        self.replication.installed(broker)
-        if self.store is not None:
-            # Whatever the store held (older, or as fresh as the resumed member's state) is
-            # replaced by what the cluster serves.
-            self.store.replace(broker)
-        self.membership.adopt(members)
-        self.progress.estimate(self.membership.ready_members, broker.event_seq)
+        self.replication.fork_update(self.updater, e, members, self.stream.broker)
 
     async def catch_up(self) -> None:
         """Replay what was delivered after the update point, then say we serve."""
         await self.newcomer.catch_up(self._replay)
-        self.broker.replication.catch_up(False)
-        self._act([SendHello(STATUS_READY)])
+        self.stream.broker.replication.catch_up(False)
+        self.roster.act([SendHello(STATUS_READY)])
 
     # ------------------------------------------------------------------ error-check rounds
 
@@ -1084,12 +632,16 @@ class ClusterNode:
         """The cluster failed event ``e`` alike: close its connection, as every member that
         failed it does, and go on as after an applied event."""
         self.io.execute(
-            self.broker.fail_event(e, "internal error while processing this connection")
+            self.stream.broker.fail_event(e, "internal error while processing this connection")
         )
-        self._after_apply(e, sender, failed=True)
+        self.applier.after_apply(e, sender, failed=True)
         if self.replication.failed(e, sender):
             log.error("a change batch of this primary failed on every member: leaving")
             self.fail("a change batch of this primary failed to apply on every member")
+
+    def _recorded(self) -> None:
+        """The event log was given up on an event: go on as after it was recorded."""
+        self.applier.report_and_digest()
 
     def _replay_kept(self, e: Any, sender: int) -> None:
         """One item kept while this member was held by an error-check round."""
@@ -1099,12 +651,12 @@ class ClusterNode:
         elif t is StopRequest:
             self._on_stop_request(e)
         else:
-            self._apply_stream(e, sender)
+            self.applier.apply(e, sender)
 
     # ------------------------------------------------------------------ stop requests
 
     def _on_stop_request(self, e: StopRequest) -> None:
-        self.stops.on_request(e, self.broker, self.report)
+        self.stops.on_request(e, self.stream.broker, self.stream.report)
 
     async def finish_stop(self) -> None:
         """After a stop request: let confirms up to the stop point out (every ready member
@@ -1112,8 +664,8 @@ class ClusterNode:
         halted = self.stops.halted
         assert halted is not None
         with trio.move_on_after(STOP_SETTLE if self.confirms.holding else 0):
-            while self.stable_seq() < halted or (
-                self.store is not None and self.durable_stable_seq() < halted
+            while self.stream.stable_seq() < halted or (
+                self.stream.store is not None and self.stream.durable_stable_seq() < halted
             ):
                 await self.multicast.wait_progress()
         self._release_stable()
@@ -1142,4 +694,4 @@ class ClusterNode:
     def view(self) -> Broker:
         """The broker the management API and /metrics read: the serving broker of a primary
         shipping changes (its clients, consumers and unacked messages), else the stream's."""
-        return self.replication.view(self.broker)
+        return self.replication.view(self.stream.broker)

@@ -152,7 +152,9 @@ class MemberStatus:
                         else "unknown",
                         # How far it has applied the stream, as it last reported (this member:
                         # now), and whether its digest agreed at the last checkpoint.
-                        "applied": b.event_seq if m == node.member else node.progress.peer.get(m),
+                        "applied": b.event_seq
+                        if m == node.member
+                        else node.stream.progress.peer.get(m),
                         # (None: it took no part in the last checkpoint, or there was none.)
                         "checkpoint_agreed": None
                         if last is None or m not in dict(last.digests)
@@ -180,12 +182,12 @@ class MemberStatus:
                     "delivered": cpg.stats.delivered,
                     "wakeups": cpg.stats.wakeups,
                 },
-                "lag": {"events_behind": node.lag(), "held_back": node.multicast.lag_waits},
+                "lag": {"events_behind": node.stream.lag(), "held_back": node.multicast.lag_waits},
                 "confirms": {
                     "held": sum(len(lc.held) for lc in node.confirms.holding.values()),
                     "admin_unsettled": len(node.desk.unsettled),
                 },
-                "apply_seconds": node.apply_times.as_dict(),
+                "apply_seconds": node.applier.times.as_dict(),
                 # Every link of the cluster with what its runner last reported (replicated),
                 # and this member's own links as it sees them now.
                 "federation_links": [

@@ -3,6 +3,9 @@
 * ``main``: ``cpgbroker start`` (logging, the configuration, standalone or cluster member).
 * ``process``: :class:`~.process.MemberProcess`, what outlives one CPG membership (listeners,
   the admin endpoint, the votequorum reader, the watchdog), and ``serve_member``.
+* ``assembly``: :func:`~.assembly.assemble`, which builds one incarnation's parts (the other
+  wings' among them: the replication mode, the clients' side, the admin desk, the federation
+  links, both sides of a state update) and the member over them.
 * ``sdnotify``: systemd's notify protocol and its watchdog.
 
 The top wing, imported by no other: it builds each incarnation's member, the listeners of the

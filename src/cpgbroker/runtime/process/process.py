@@ -3,7 +3,8 @@
 A :class:`MemberProcess` outlives the CPG memberships it goes through (quorum loss ends an
 incarnation, regaining it starts a new one that takes a state update); it owns the AMQP and
 state-update listeners, the status endpoint, the votequorum reader and the watchdog. Each
-incarnation is one :class:`~cpgbroker.runtime.member.member.ClusterNode`.
+incarnation is one :class:`~cpgbroker.runtime.member.member.ClusterNode`, assembled by
+``runtime/process/assembly.py``.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from cpgbroker.runtime.member.quorum_trio import TrioQuorum, open_quorum
 from cpgbroker.runtime.member.status import MemberStatus
 from cpgbroker.runtime.member.storelink import StoreLink
 from cpgbroker.runtime.process import sdnotify
+from cpgbroker.runtime.process.assembly import assemble
 from cpgbroker.runtime.update.giving import close_released
 
 log = logging.getLogger("cpgbroker.member")
@@ -463,7 +465,7 @@ class MemberProcess:
         served = False
         async with open_cpg(cluster.group, netns=cluster.netns or None) as cpg:
             me = member_id(cpg.local_nodeid, os.getpid())
-            node = ClusterNode(
+            node = assemble(
                 config,
                 cpg,
                 me,
