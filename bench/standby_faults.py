@@ -8,6 +8,7 @@
     python bench/standby_faults.py --faults stop_primary_corosync --interval 10
     python bench/standby_faults.py --consume-rate 1500 --queue-flow 0   # a deep queue
     python bench/standby_faults.py --runs 1 --seconds 30 --audit audit-runs  # and audit it
+    python bench/standby_faults.py --broker rabbitmq        # a RabbitMQ quorum queue instead
 
 A 3-node dev cluster (corosync in namespaces, token ``--token`` ms), a fresh broker set of
 3 members per run with stores (``fsync = "always"``) and ``[cluster] mode`` and
@@ -29,6 +30,17 @@ the default queue flow (``[limits] queue_flow_messages``, 1,000 ready messages) 
 that keep up, the queue stands shallow. ``--consume-rate`` (deliveries per second per consumer
 while publishing) below the producers' rate and ``--queue-flow 0`` let it stand deep,
 as behind slow consumers.
+
+``--broker rabbitmq``: the same clients, load and schedule against a 3-node RabbitMQ cluster
+(Debian's ``rabbitmq-server``) and one quorum queue, one RabbitMQ node in each of the dev
+cluster's node namespaces (``cpgbroker.dev.rabbitnodes``; fresh nodes per run), reached on
+127.0.0.1 as our members are. "The primary" is the queue's Raft leader. The faults: SIGKILL of
+the leader's node (started again 3 s later); SIGSTOP of the leader's node itself for 4 s
+(RabbitMQ has no membership daemon of its own to freeze); a 5 s partition of the leader's
+node namespace (its clients still reach it, as in our partition); SIGKILL of a follower's node
+(started again 2 s later). ``--mode``, ``--replication``, ``--fsync``, ``--queue-flow`` and
+``--audit`` are ours only; RabbitMQ runs with its defaults (a quorum queue fsyncs its log).
+Run the brokers one after the other in one sitting to compare them: the machine is shared.
 
 Reported per run: confirmed; lost (confirmed, never received); duplicates; duplicates
 without the redelivered flag (a message delivered again as if for the first time: AMQP never
@@ -60,14 +72,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import trio
+
 from cpgbroker.dev.brokers import BrokerSet
 from cpgbroker.dev.cluster import DevCluster
 from cpgbroker.dev.faultloop import FAULT_KINDS, FaultLoopOptions, run_fault_loop, table
+from cpgbroker.dev.rabbitnodes import RabbitFaultLoop, RabbitNodes
 
 # What the summary keeps of each run (the full result, faults and log lines included, is
 # printed as the run ends).
 SUMMARY_KEYS = (
     "confirmed",
+    "nacked",
     "lost",
     "duplicates",
     "unflagged_duplicates",
@@ -143,7 +159,50 @@ def audit(bs: BrokerSet, run_dir: Path, started_ns: int) -> dict[str, Any]:
     return result
 
 
+def loop_options(args: argparse.Namespace, history_dir: Path | None) -> FaultLoopOptions:
+    return FaultLoopOptions(
+        seconds=args.seconds,
+        interval=args.interval,
+        faults=tuple(args.faults.split(",")),
+        producers=args.producers,
+        consumers=args.consumers,
+        body_size=args.size,
+        confirm_window=args.window,
+        prefetch=args.prefetch,
+        backlog=args.backlog,
+        consume_rate=args.consume_rate,
+        history_dir=None if history_dir is None else str(history_dir),
+    )
+
+
+def label(args: argparse.Namespace, version: str | None = None) -> str:
+    """What the table calls the brokers of a run."""
+    if args.broker == "rabbitmq":
+        return f"RabbitMQ {version or ''} quorum queue".replace("  ", " ")
+    if args.mode == "hot-standby":
+        return f"cpgbroker hot standby ({args.replication})"
+    return "cpgbroker active-active"
+
+
+def rabbit_run(dc: DevCluster, i: int, args: argparse.Namespace) -> dict[str, Any]:
+    rn = RabbitNodes(dc)
+    try:
+        rn.start_all()
+        version = rn.version()
+        t = time.monotonic()
+        out = trio.run(RabbitFaultLoop(dc, rn, loop_options(args, None), log=log).run)
+        out["run_s"] = round(time.monotonic() - t, 1)
+        out["version"] = version
+        out["label"] = label(args, version)
+        out["logs"] = {str(n): str(rn.log_path(n)) for n in rn.nodes}
+    finally:
+        rn.stop_all()
+    return out
+
+
 def one_run(dc: DevCluster, i: int, args: argparse.Namespace) -> dict[str, Any]:
+    if args.broker == "rabbitmq":
+        return rabbit_run(dc, i, args)
     options = f'mode = "{args.mode}"'
     if args.mode == "hot-standby":
         options += f'\nreplication = "{args.replication}"'
@@ -164,23 +223,12 @@ def one_run(dc: DevCluster, i: int, args: argparse.Namespace) -> dict[str, Any]:
     )
     try:
         bs.start_all(timeout=90)
-        opt = FaultLoopOptions(
-            seconds=args.seconds,
-            interval=args.interval,
-            faults=tuple(args.faults.split(",")),
-            producers=args.producers,
-            consumers=args.consumers,
-            body_size=args.size,
-            confirm_window=args.window,
-            prefetch=args.prefetch,
-            backlog=args.backlog,
-            consume_rate=args.consume_rate,
-            history_dir=None if run_dir is None else str(run_dir / "histories"),
-        )
+        opt = loop_options(args, None if run_dir is None else run_dir / "histories")
         started_ns = time.time_ns()
         t = time.monotonic()
         out = run_fault_loop(dc, bs, opt, log=log)
         out["run_s"] = round(time.monotonic() - t, 1)
+        out["label"] = label(args)
         out["logs"] = {str(n): str(bs.log_path(n)) for n in (1, 2, 3)}
     finally:
         bs.stop_all()
@@ -200,6 +248,12 @@ def main() -> int:
         "--faults",
         default=",".join(FAULT_KINDS),
         help=f"fault kinds in turn, comma-separated (of {', '.join(FAULT_KINDS)})",
+    )
+    ap.add_argument(
+        "--broker",
+        choices=("cpgbroker", "rabbitmq"),
+        default="cpgbroker",
+        help="the brokers under test: ours, or a 3-node RabbitMQ cluster with a quorum queue",
     )
     ap.add_argument("--mode", choices=("hot-standby", "active-active"), default="hot-standby")
     ap.add_argument("--replication", choices=("changes", "bytes"), default="changes")
@@ -240,11 +294,13 @@ def main() -> int:
         help="copy each run's member logs into DIR (the cluster's own go with it)",
     )
     args = ap.parse_args()
+    if args.broker == "rabbitmq" and args.audit:
+        ap.error("--audit needs our members' event logs: not with --broker rabbitmq")
     rows: list[dict[str, Any]] = []
     dc = DevCluster(3, prefix=f"sfbench-{os.getpid() % 100000}", token_ms=args.token)
     with dc:
         for i in range(1, args.runs + 1):
-            log(f"run {i}/{args.runs}: {args.mode} {args.replication}, {args.seconds:g} s")
+            log(f"run {i}/{args.runs}: {label(args)}, {args.seconds:g} s")
             # Each run starts from a whole cluster: a run that left a member broken would
             # otherwise hand its faults to the next.
             dc.repair(timeout=60)
@@ -261,9 +317,11 @@ def main() -> int:
                     with open(path, "rb") as src, open(dst_path, "wb") as dst:
                         dst.write(src.read())
                 log(f"logs of run {i} kept in {keep}")
+    rabbit = args.broker == "rabbitmq"
     summary = {
-        "mode": args.mode,
-        "replication": args.replication if args.mode == "hot-standby" else None,
+        "broker": rows[0].get("label") if rows else label(args),
+        "mode": None if rabbit else args.mode,
+        "replication": args.replication if args.mode == "hot-standby" and not rabbit else None,
         "seconds": args.seconds,
         "interval_s": args.interval,
         "faults": args.faults.split(","),
@@ -271,7 +329,7 @@ def main() -> int:
         "window": args.window,
         "backlog": args.backlog,
         "consume_rate": args.consume_rate,
-        "queue_flow_messages": args.queue_flow,
+        "queue_flow_messages": None if rabbit else args.queue_flow,
         "runs": [
             {
                 "run": r["run"],

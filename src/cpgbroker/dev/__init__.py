@@ -7,6 +7,8 @@ Modules, each importing only those listed after it:
 * :mod:`~cpgbroker.dev.cli` -- ``cpgbroker devcluster ...``;
   :mod:`~cpgbroker.dev.fixtures` -- the pytest plugin (``dev_cluster``, ``cluster``,
   ``brokers``, ...);
+* :mod:`~cpgbroker.dev.rabbitnodes` -- a 3-node RabbitMQ cluster on a dev cluster's nodes
+  and the fault loop against a quorum queue on it, to compare with ours in one sitting;
 * :mod:`~cpgbroker.dev.faultloop` -- a fault loop under confirmed, acked load (lost,
   duplicated, unflagged redeliveries, longest waits), for tests and benchmarks;
 * :mod:`~cpgbroker.dev.brokers` -- :class:`BrokerSet`, one broker per node;

@@ -241,7 +241,19 @@ class FaultLoop:
         result = await FaultLoop(dc, bs, FaultLoopOptions(seconds=60)).run()
 
     or, outside trio, :func:`run_fault_loop`. The brokers must be running and ready.
+
+    What it does to the brokers and how it finds the primary are methods of their own
+    (:meth:`survey`, :meth:`kill_broker`, :meth:`start_broker`, :meth:`freeze`, :meth:`thaw`,
+    :meth:`kill_backup`, :meth:`restart_backup`, :meth:`restart_dead_brokers`,
+    :meth:`unfreeze`, :meth:`repair`, :meth:`final_state`), so that a subclass runs the same
+    clients, load and schedule against other brokers on the same dev cluster's nodes
+    (:class:`cpgbroker.dev.rabbitnodes.RabbitFaultLoop`).
     """
+
+    # What the result names the brokers under test.
+    broker = "cpgbroker"
+    # ``queue.declare`` arguments of the loop's queue (None: a plain durable queue).
+    queue_arguments: dict[str, Any] | None = None
 
     def __init__(
         self,
@@ -251,8 +263,19 @@ class FaultLoop:
         *,
         log: Callable[[str], None] | None = None,
     ) -> None:
-        self.dc = dc
         self.bs = bs
+        self._setup(dc, {n.nodeid: bs.ports[n.nodeid][0] for n in dc.nodes}, options, log)
+
+    def _setup(
+        self,
+        dc: DevCluster,
+        ports: dict[int, int],
+        options: FaultLoopOptions | None,
+        log: Callable[[str], None] | None,
+    ) -> None:
+        """What every loop keeps, whatever the brokers (``ports``: node -> the AMQP port its
+        clients reach it on, at 127.0.0.1)."""
+        self.dc = dc
         self.opt = options or FaultLoopOptions()
         self._log = log or (lambda _msg: None)
         # The body's run id is a 32-bit number (encode_body's layout); named in hex.
@@ -260,7 +283,7 @@ class FaultLoop:
         self.run_id = f"{self.run_num:08x}"
         self.queue = self.opt.queue or f"faultloop-{self.run_id}"
         self.nodes = [n.nodeid for n in dc.nodes]
-        self._node_by_port = {bs.ports[n][0]: n for n in self.nodes}
+        self._node_by_port = {ports[n]: n for n in self.nodes}
         self._props = commands.Basic.Properties(delivery_mode=2)
         self.publishing = True
         self.t0: float | None = None
@@ -317,7 +340,11 @@ class FaultLoop:
         # client lands on the primary whichever it tries first.
         k = i % len(self.nodes)
         order = self.nodes[k:] + self.nodes[:k]
-        return [self.bs.url(n) for n in order]
+        return [self.url(n) for n in order]
+
+    def url(self, node: int) -> str:
+        """The URL our clients reach ``node``'s broker on."""
+        return self.bs.url(node)
 
     def _node_of(self, client: AmqpClient) -> int:
         return self._node_by_port.get(client.url.port, 0)
@@ -325,7 +352,7 @@ class FaultLoop:
     def _member(self, client: AmqpClient) -> str:
         # The URL the fault log names a killed broker by: the audit ties its clients to it.
         node = self._node_of(client)
-        return self.bs.url(node) if node in self.bs.ports else str(client.url)
+        return self.url(node) if node in self.nodes else str(client.url)
 
     async def _thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         # The dev tools block (signals and waits, `ip`, HTTP to the status endpoints): in a
@@ -404,7 +431,7 @@ class FaultLoop:
                         rec.connected(self._member(conn))
                         connected = True
                     ch = await conn.channel()
-                    await ch.queue_declare(self.queue, durable=True)
+                    await ch.queue_declare(self.queue, durable=True, arguments=self.queue_arguments)
                     await ch.confirm_select()
                     while self.publishing:
                         seq = self._next_seq[producer]
@@ -507,7 +534,7 @@ class FaultLoop:
                         rec.connected(self._member(conn))
                         connected = True
                     ch = await conn.channel()
-                    await ch.queue_declare(self.queue, durable=True)
+                    await ch.queue_declare(self.queue, durable=True, arguments=self.queue_arguments)
                     await ch.basic_qos(self.opt.prefetch)
                     consumer_ = await ch.consume(self.queue)
                     due = self._now()
@@ -613,6 +640,27 @@ class FaultLoop:
                 if node.pid is not None and (node.stopped or proc_state(node.pid) == "T"):
                     self.dc.resume(node.nodeid)
 
+    def freeze(self, node: int) -> None:
+        """``stop_primary_corosync``: SIGSTOP ``node``'s corosync."""
+        self.dc.stop(node)
+
+    def thaw(self, node: int) -> None:
+        """Undo :meth:`freeze` (SIGCONT)."""
+        self.dc.resume(node)
+
+    def kill_backup(self, node: int) -> None:
+        """``kill_backup_corosync``: SIGKILL ``node``'s corosync."""
+        self.dc.kill(node)
+
+    def restart_backup(self, node: int) -> dict[str, Any]:
+        """Undo :meth:`kill_backup`; what the fault's record gets."""
+        self.dc.start(node)
+        # Its broker, if it died with its corosync, can only start once the new corosync
+        # answers.
+        self._wait_corosync_quorate(node, 10.0)
+        proc = self.bs.procs.get(node)
+        return {"broker_died_with_it": proc is None or proc.poll() is not None}
+
     def _wait_corosync_quorate(self, nodeid: int, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -644,6 +692,8 @@ class FaultLoop:
             rec["skipped"] = "no ready member names a primary"
             return
         duration = self.opt.duration(kind)
+        # When it hit: finding the primary takes a while (a CLI tool's round trip for RabbitMQ).
+        rec["hit_t_s"] = self._rel()
         try:
             if kind == KILL_PRIMARY_BROKER:
                 rec["node"] = primary
@@ -652,12 +702,12 @@ class FaultLoop:
                 await self._thread(self.start_broker, primary)
             elif kind == STOP_PRIMARY_COROSYNC:
                 rec["node"] = primary
-                await self._thread(self.dc.stop, primary)
+                await self._thread(self.freeze, primary)
                 try:
                     await trio.sleep(duration)
                 finally:
                     with trio.CancelScope(shield=True):
-                        await self._thread(self.dc.resume, primary)
+                        await self._thread(self.thaw, primary)
             elif kind == PARTITION_PRIMARY:
                 rec["node"] = primary
                 await self._thread(self.dc.partition, primary)
@@ -671,14 +721,9 @@ class FaultLoop:
                 backup = backups[self._backup_turn % len(backups)]
                 self._backup_turn += 1
                 rec["node"] = backup
-                await self._thread(self.dc.kill, backup)
+                await self._thread(self.kill_backup, backup)
                 await trio.sleep(duration)
-                await self._thread(self.dc.start, backup)
-                # Its broker, if it died with its corosync, can only start once the new
-                # corosync answers.
-                await self._thread(self._wait_corosync_quorate, backup, 10.0)
-                proc = self.bs.procs.get(backup)
-                rec["broker_died_with_it"] = proc is None or proc.poll() is not None
+                rec.update(await self._thread(self.restart_backup, backup))
         except DevClusterError as e:
             rec["error"] = str(e)
         rec["undone_t_s"] = self._rel()
@@ -714,7 +759,9 @@ class FaultLoop:
 
     # ------------------------------------------------------------------ the end
 
-    def _repair(self) -> dict[str, Any]:
+    def repair(self) -> dict[str, Any]:
+        """Undo every fault, start the dead brokers, wait until every member is ready: what
+        the result's ``repair`` shows (``all_ready`` among it)."""
         out: dict[str, Any] = {}
         self.unfreeze()
         try:
@@ -816,7 +863,7 @@ class FaultLoop:
                     self.confirm_gap.end(self.publish_end)
                     producers.cancel_scope.deadline = self._now() + self.opt.confirm_grace_s
                 self._log("publishing ended; repairing the cluster")
-                healed = await self._thread(self._repair)
+                healed = await self._thread(self.repair)
                 self._log(f"repaired: {healed}; draining")
                 drain_s = await self._drain()
                 consumers.cancel_scope.cancel()
@@ -825,18 +872,33 @@ class FaultLoop:
             self.unfreeze()
             for rec in self._histories.values():
                 rec.close()
+        digest, converge_error, members = await self._thread(self.final_state)
+        if self.opt.delete_queue:
+            await self._delete_queue()
+        return self._result(healed, drain_s, digest, converge_error, members)
+
+    def final_state(self) -> tuple[str | None, str | None, dict[str, Any]]:
+        """After the drain: the members' common digest (None if they disagree), why not, and
+        what the result's ``members`` shows of each."""
         digest: str | None = None
         converge_error: str | None = None
         try:
-            digest = await self._thread(
-                lambda: self.bs.converged(self.nodes, timeout=self.opt.converge_timeout_s)
-            )
+            digest = self.bs.converged(self.nodes, timeout=self.opt.converge_timeout_s)
         except DevClusterError as e:
             converge_error = str(e)[-2000:]
-        stats = await self._thread(self.statuses)
-        if self.opt.delete_queue:
-            await self._delete_queue()
-        return self._result(healed, drain_s, digest, converge_error, stats)
+        members: dict[str, Any] = {}
+        for n, s in self.statuses().items():
+            if s is None:
+                members[str(n)] = None
+                continue
+            q = s.get("queues", {}).get(f"/:{self.queue}", {})
+            members[str(n)] = {
+                "state": s.get("state"),
+                "role": s.get("role"),
+                "primary": self._node_of_url(s.get("primary_url")),
+                "queue_ready": q.get("ready"),
+            }
+        return digest, converge_error, members
 
     def _open_histories(self) -> None:
         if self.opt.history_dir is None:
@@ -857,7 +919,7 @@ class FaultLoop:
         drain_s: float,
         digest: str | None,
         converge_error: str | None,
-        stats: dict[int, dict[str, Any] | None],
+        members: dict[str, Any],
     ) -> dict[str, Any]:
         confirmed = sum(len(s) for s in self.confirmed)
         lost = [
@@ -870,19 +932,8 @@ class FaultLoop:
         for i, rec in enumerate(self.faults):
             rec["duplicates_until_next"] = self._dups_after.get(i, 0)
             rec["unflagged_until_next"] = self._unflagged_after.get(i, 0)
-        members: dict[str, Any] = {}
-        for n, s in stats.items():
-            if s is None:
-                members[str(n)] = None
-                continue
-            q = s.get("queues", {}).get(f"/:{self.queue}", {})
-            members[str(n)] = {
-                "state": s.get("state"),
-                "role": s.get("role"),
-                "primary": self._node_of_url(s.get("primary_url")),
-                "queue_ready": q.get("ready"),
-            }
         return {
+            "broker": self.broker,
             "run_id": self.run_id,
             "queue": self.queue,
             "history_dir": self.opt.history_dir,
@@ -973,19 +1024,22 @@ def run_fault_loop(
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """The runs as a markdown table (one row per result of :func:`run_fault_loop`). A row
     with an ``audit`` (``{"status": ..., "failed": [...]}``, as ``bench/standby_faults.py
-    --audit`` adds) gets the audit's verdict in a last column."""
+    --audit`` adds) gets the audit's verdict in a last column. The broker column names the
+    brokers and their mode (a row's ``label`` instead, if it has one)."""
     audited = any("audit" in r for r in rows)
     head = (
-        "| run | confirmed | lost | duplicates | duplicates without the redelivered flag "
-        "| longest consumer gap | longest confirm gap |"
+        "| run | broker | confirmed | lost | duplicates | duplicates without the redelivered "
+        "flag | longest consumer gap | longest confirm gap |"
         + (" audit |" if audited else "")
-        + "\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        + "\n| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"
         + (" --- |" if audited else "")
     )
     lines = [head]
     for i, r in enumerate(rows, 1):
+        broker = r.get("label") or f"{r.get('broker', 'cpgbroker')} {r.get('mode') or ''}".strip()
         line = (
-            f"| {i} | {r['confirmed']:,} | {r['lost']:,} | {r['duplicates']:,} "
+            f"| {r.get('run', i)} | {broker} | {r['confirmed']:,} | {r['lost']:,} "
+            f"| {r['duplicates']:,} "
             f"| {r['unflagged_duplicates']:,} | {r['longest_consumer_gap_s']:.2f} s "
             f"| {r['longest_confirm_gap_s']:.2f} s |"
         )
