@@ -119,6 +119,7 @@ LOG_MARKS = (
     "leaving the cluster",
     "waiting for quorum",
     "resuming the state",
+    "hot-standby lease in doubt",
     "hot-standby lease lapsed",
     "hot-standby lease renewed",
 )

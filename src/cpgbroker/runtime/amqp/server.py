@@ -104,6 +104,7 @@ class LocalConn:
         "inflight",
         "model_closed",
         "out",
+        "out_before_pause",
         "paused",
         "peer",
         "resume",
@@ -120,6 +121,9 @@ class LocalConn:
         self.stream = stream
         self.peer = peer
         self.out = bytearray()
+        # While the server's output is paused: how much of ``out`` was queued before (whole
+        # frames), all a close may still send (AmqpServer.pause_output).
+        self.out_before_pause = 0
         self.wake = trio.Event()
         self.want_output = False
         self.credit = CREDIT_START
@@ -206,6 +210,8 @@ class AmqpServer:
         # A local client was handed output since the cluster layer last looked: its answer
         # (an ack for a delivery, the next command after a reply) is probably on its way.
         self.answer_expected = False
+        # No client is written to (pause_output): a hot-standby primary in doubt.
+        self.output_paused = False
         # Every client handler's cancel scope: the member process cancels what is left of
         # them when an incarnation ends.
         self.client_scopes: dict[int, trio.CancelScope] = {}
@@ -290,7 +296,7 @@ class AmqpServer:
     def write(self, lc: LocalConn, data: bytes) -> None:
         """Write now rather than one scheduling round later: the socket is non-blocking, and
         whatever it does not take goes to the writer task (in order, after what it holds)."""
-        if not lc.out and not lc.closing:
+        if not lc.out and not lc.closing and not self.output_paused:
             if lc.fd >= 0:
                 if not lc.sending:
                     try:
@@ -414,6 +420,11 @@ class AmqpServer:
         tls = lc.tls
         try:
             while True:
+                if self.output_paused and not lc.closing:
+                    # Nothing goes out until output resumes, or a close cuts it short.
+                    lc.wake = trio.Event()
+                    await lc.wake.wait()
+                    continue
                 if lc.out or (tls is not None and tls.unsent):
                     # (TLS: also ciphertext a direct write left: send_all sends it first.)
                     data = lc.out
@@ -463,13 +474,36 @@ class AmqpServer:
         (whole frames), without the model: the member no longer applies events. Output held
         for stability is dropped."""
         frame = forced_close_frame(client_text)
+        paused, self.output_paused = self.output_paused, False
         for lc in self.local.values():
             lc.held.clear()
+            if paused:
+                # What was produced while output was paused never reaches the client.
+                del lc.out[lc.out_before_pause :]
             if not lc.closing:
                 lc.out += frame
             lc.closing = True
             lc.model_closed = True
             lc.close_reason = lc.close_reason or reason
+            lc.wake.set()
+
+    def pause_output(self) -> None:
+        """Write nothing to any client from now on (what the model produces is kept, in
+        order) until :meth:`resume_output`, or :meth:`force_close`, which drops it: a
+        hot-standby primary that may no longer be the only one (runtime/member/lease.py,
+        "In doubt")."""
+        if self.output_paused:
+            return
+        self.output_paused = True
+        for lc in self.local.values():
+            lc.out_before_pause = len(lc.out)
+
+    def resume_output(self) -> None:
+        """Write again what was kept while output was paused."""
+        if not self.output_paused:
+            return
+        self.output_paused = False
+        for lc in self.local.values():
             lc.wake.set()
 
     def cancel_clients(self) -> None:

@@ -30,6 +30,20 @@ cut-off primary's clients are closed shortly after the new primary serves (they 
 their first reconnect), and a primary never closes its clients for a backup's death. Delivery
 safety never depended on this length.
 
+**In doubt.** A lapse comes after the others may have promoted another primary; until then a
+cut-off primary would still write to its clients. So once no message of ours came back for
+:data:`DOUBT` of the others' detection time (less than it: they cannot have promoted anyone
+yet), the primary writes nothing more to any client (``AmqpServer.pause_output``): not a
+delivery, not a confirm, not an answer. What its broker produces meanwhile is kept in order. As
+soon as a message of ours comes back through the ring again (a backup's death stalls the ring
+for about the detection time, then the ring carries on without it), the doubt ends and the kept
+output goes out; if the lease lapses instead, the clients are closed and the kept output is
+dropped, so nothing the old primary produced after the doubt began ever reaches a client. The
+doubt starts :data:`DOUBT` of the detection time after the send time of our latest message
+that came back, which is no later than the moment the ring stopped (a heartbeat goes out every
+:data:`HEARTBEATS` th of the lease), and the others promote no sooner than the detection time
+after that moment: the margin between the two is what the fault tests measure.
+
 **After a lapse** the member stops serving for this incarnation, as a member that lost quorum
 does (``ClusterNode.suspend``): it closes its clients with 320 naming the reason, drops what
 waits for stability, leaves the group and joins again as a newcomer once its corosync answers.
@@ -60,6 +74,11 @@ HEARTBEATS = 8
 # The lease is the others' detection time (token + consensus) and this much of it again (see
 # the module docstring, "How long").
 FORMATION_MARGIN = 0.25
+# A primary's output pauses once no message of ours came back for this much of the others'
+# detection time (module docstring, "In doubt"); while in doubt, the lease is looked at every
+# DOUBT_POLL seconds, so that output resumes promptly once the ring carries our messages again.
+DOUBT = 0.6
+DOUBT_POLL = 0.05
 # Until corosync's timeouts are read: its default token (3000 ms) and consensus (3600 ms).
 DEFAULT_TIMEOUTS = cmap.TotemTimeouts(cmap.DEFAULT_TOKEN_MS, cmap.DEFAULT_TOKEN_MS * 6 // 5)
 
@@ -78,11 +97,20 @@ def lease_length(timeouts: cmap.TotemTimeouts) -> float:
     return detection * (1 + FORMATION_MARGIN)
 
 
+def doubt_length(timeouts: cmap.TotemTimeouts) -> float:
+    """Seconds without hearing the ring after which a primary's output pauses."""
+    return (timeouts.token_ms + timeouts.consensus_ms) / 1000 * DOUBT
+
+
 class PrimaryLease:
     def __init__(self, last_own_sent: Callable[[], float | None]) -> None:
         # When the latest of our CPG messages delivered back was sent (time.monotonic()).
         self._last_own_sent = last_own_sent
         self.length = lease_length(DEFAULT_TIMEOUTS)
+        self.doubt_length = doubt_length(DEFAULT_TIMEOUTS)
+        # Whether output is paused for doubt now, and how often it was.
+        self.doubting = False
+        self.doubts = 0
         # The ring was seen working then: a promotion (a membership change just delivered).
         self._granted_at = -float("inf")
         # When the lease lapsed (time.monotonic()), while it stays lapsed.
@@ -95,9 +123,12 @@ class PrimaryLease:
 
     def configure(self, timeouts: cmap.TotemTimeouts) -> None:
         self.length = lease_length(timeouts)
+        self.doubt_length = doubt_length(timeouts)
         log.info(
-            "hot-standby lease %.2f s (corosync token %d ms, consensus %d ms)",
+            "hot-standby lease %.2f s, output paused after %.2f s in doubt "
+            "(corosync token %d ms, consensus %d ms)",
             self.length,
+            self.doubt_length,
             timeouts.token_ms,
             timeouts.consensus_ms,
         )
@@ -107,9 +138,17 @@ class PrimaryLease:
         it delivered)."""
         self._granted_at = now
 
-    def expires_at(self) -> float:
+    def _renewed_at(self) -> float:
         sent = self._last_own_sent()
-        return max(self._granted_at, -float("inf") if sent is None else sent) + self.length
+        return max(self._granted_at, -float("inf") if sent is None else sent)
+
+    def expires_at(self) -> float:
+        return self._renewed_at() + self.length
+
+    def in_doubt(self, now: float) -> bool:
+        """Whether the others might be about to promote another primary (module docstring,
+        "In doubt")."""
+        return now >= self._renewed_at() + self.doubt_length
 
     def check(self, now: float) -> bool:
         """Whether the lease lapses now (it was valid until now)."""
@@ -125,24 +164,40 @@ class PrimaryLease:
         heartbeat: Callable[[], None],
         on_lapse: Callable[[], None],
         netns: str | None,
+        on_doubt: Callable[[bool], None] = lambda doubting: None,
     ) -> None:
         """For ever: while this member holds the lease (``holding``: it serves as primary),
-        send heartbeats, and call ``on_lapse`` once when it lapses."""
+        send heartbeats; call ``on_doubt(True)`` when the lease comes in doubt and
+        ``on_doubt(False)`` when the ring carries our messages again, and ``on_lapse`` once
+        when it lapses."""
         try:
             self.configure(await trio.to_thread.run_sync(cmap.totem_timeouts, netns))
         except Exception as e:  # a corosync without the keys: its defaults, said once
             log.warning("corosync timeouts unreadable (%s): lease of %.2f s", e, self.length)
-        last = time.monotonic()
+        last = next_beat = time.monotonic()
         while self.lapsed_at is None:
             every = self.length / HEARTBEATS
-            await trio.sleep(every)
+            await trio.sleep(DOUBT_POLL if self.doubting else every)
             now = time.monotonic()
             # This process did not run for a while (a long promotion, a stalled host): what
             # corosync delivered meanwhile is not read yet. Look again after the delivery loop
-            # had its turn rather than call a lapse the ring did not cause.
+            # had its turn rather than call a doubt or a lapse the ring did not cause.
             stalled = now - last > 2 * every
             last = now
-            if holding():
+            if not holding():
+                if self.doubting:  # no longer primary: the member closed its clients
+                    self.doubting = False
+                    on_doubt(False)
+                continue
+            if now >= next_beat:
                 heartbeat()
-                if not stalled and self.check(now):
-                    on_lapse()
+                next_beat = now + every
+            if stalled:
+                continue
+            doubting = self.in_doubt(now)
+            if doubting != self.doubting:
+                self.doubting = doubting
+                self.doubts += doubting
+                on_doubt(doubting)
+            if self.check(now):
+                on_lapse()

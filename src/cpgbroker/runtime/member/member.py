@@ -280,6 +280,22 @@ class ClusterNode:
             tasks.append(functools.partial(standby.watch, self.io.close_all))
         return [*tasks, *self.replication.tasks()]
 
+    def lease_doubt(self, doubting: bool, length: float) -> None:
+        """The primary's lease came in doubt (no message of ours came back through the ring
+        for ``length``: the others may be about to promote another primary), or no longer
+        is. While in doubt, nothing is written to any client (runtime/member/lease.py, "In
+        doubt")."""
+        if doubting:
+            log.warning(
+                "hot-standby lease in doubt: no message of ours came back through the ring "
+                "for %.2f s; writing nothing to clients until one does",
+                length,
+            )
+            self.io.pause_output()
+        else:
+            log.info("hot-standby lease renewed: the ring carries our messages again")
+            self.io.resume_output()
+
     def lease_lapsed(self, length: float) -> None:
         """No message of ours came back through the ring for the lease's ``length``: another
         member may be primary by now. Stop serving before a client can tell two apart, and

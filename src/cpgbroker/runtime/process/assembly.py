@@ -118,6 +118,7 @@ def assemble(
         on_cut=federation.applied,
         heartbeat=lambda: multicast.send_control(stream.report()),
         lapsed=node.lease_lapsed,
+        doubt=node.lease_doubt,
     )
     return node
 

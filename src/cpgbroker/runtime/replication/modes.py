@@ -41,6 +41,7 @@ class Lease(Protocol):
     """A primary's lease (``runtime/member/lease.py``): it may serve while the ring works."""
 
     length: float
+    doubt_length: float
 
     def grant(self, now: float) -> None: ...
 
@@ -50,6 +51,7 @@ class Lease(Protocol):
         heartbeat: Callable[[], None],
         lapsed: Callable[[], None],
         netns: str | None,
+        on_doubt: Callable[[bool], None] = ...,
     ) -> None: ...
 
 
@@ -86,6 +88,7 @@ class Replication(Protocol):
         on_cut: Callable[[], None],
         heartbeat: Callable[[], None],
         lapsed: Callable[[float], None],
+        doubt: Callable[[bool, float], None],
     ) -> None: ...
 
     def tasks(self) -> list[Task]: ...
@@ -143,6 +146,7 @@ class ReplayingBytes:
         on_cut: Callable[[], None],
         heartbeat: Callable[[], None],
         lapsed: Callable[[float], None],
+        doubt: Callable[[bool, float], None],
     ) -> None:
         """Nothing to keep: the stream carries the clients' events themselves."""
 
@@ -224,6 +228,7 @@ class ShippingChanges:
         self._confirms: ConfirmGate | None = None
         self._heartbeat: Callable[[], None] = lambda: None
         self._lapsed: Callable[[float], None] = lambda length: None
+        self._doubt: Callable[[bool, float], None] = lambda doubting, length: None
 
     def attach(
         self,
@@ -235,12 +240,13 @@ class ShippingChanges:
         on_cut: Callable[[], None],
         heartbeat: Callable[[], None],
         lapsed: Callable[[float], None],
+        doubt: Callable[[bool, float], None],
     ) -> None:
         """``io``, ``confirms`` and ``desk`` are built on this seam; ``heartbeat`` renews the
-        lease (a progress report of ours through the ring), ``lapsed`` is told its length
-        when it lapses."""
+        lease (a progress report of ours through the ring), ``doubt`` is told when the lease
+        comes in doubt and when it no longer is, ``lapsed`` its length when it lapses."""
         self._io, self._confirms = io, confirms
-        self._heartbeat, self._lapsed = heartbeat, lapsed
+        self._heartbeat, self._lapsed, self._doubt = heartbeat, lapsed, doubt
         # What held output and answers wait for, so that a batch asks to be reported; a push
         # queue grows as the serving broker applies its clients' publishes.
         self.shipping.attach(io, confirms, desk, stored=stored, on_cut=on_cut)
@@ -258,6 +264,7 @@ class ShippingChanges:
             self._heartbeat,
             lambda: self._lapsed(self._lease.length),
             self._netns,
+            lambda doubting: self._doubt(doubting, self._lease.doubt_length),
         )
 
     async def submit_admin(self, ev: Event) -> None:
