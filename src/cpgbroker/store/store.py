@@ -30,6 +30,9 @@ same digest every replica had there.
   (:meth:`Store.replace`): the metadata says ``replacing`` until the snapshot of the installed
   state is durable, so a crash in between recovers nothing rather than a mix of two histories.
 
+A standalone broker with ``[store]`` uses the same store as a member that never has peers
+(runtime/process/standalone.py): it journals what it applies, and recovers and restarts alone.
+
 Owns: the store directory, the syncer and its journal writer, the snapshot child in progress,
 the metadata. Never decides whether to recover or whose state wins (the cluster's stream does)
 and never touches the event loop: the runtime passes callbacks.
@@ -87,7 +90,7 @@ class StoreSettings:
 
     KEY: ClassVar[str] = "[store] {}"
 
-    # "" (no ``dir`` in the file): no store, the member keeps its state in memory only.
+    # "" (no ``dir`` in the file): no store, the broker keeps its state in memory only.
     directory: str = attrs.field(default="", metadata={"key": "dir"})
     # "always": a durable confirm waits for an fsync of its event on every ready member (one
     # fsync covers everything applied since the previous one). "interval": fsync at most every
@@ -115,6 +118,7 @@ class StoreSettings:
         metadata={"key": "free_disk_limit_mib", "scale": MiB},
         validator=_setting(lambda v: v >= 0, "must be 0 (off) or a positive integer"),
     )
+    # Cluster members only (the configuration refuses it without ``[cluster]``).
     # "all": after a whole-cluster stop the cluster resumes once all ``size`` members are back
     # (the freshest store among them); a confirm waits for the stores of the members that
     # serve, however few. "majority": it resumes once a majority of ``size`` is back, and a

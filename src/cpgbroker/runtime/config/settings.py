@@ -187,7 +187,8 @@ class ServerConfig:
     # [limits], [[users]], vhosts, [[policies]], [federation] and [cluster] name.
     broker: BrokerConfig = attrs.field(factory=BrokerConfig, metadata=_SECTION)
     cluster: ClusterConfig | None = attrs.field(default=None, metadata=_SECTION)
-    # The member's durable store (``[store]``; cluster members only); None: memory only.
+    # The durable store (``[store]``: a cluster member's, or a standalone broker's);
+    # None: memory only.
     store: StoreSettings | None = attrs.field(default=None, metadata=_SECTION)
     # ``[tls]``: the certificate and client-certificate rules of ``listen_tls``; None: no TLS.
     tls: TlsConfig | None = attrs.field(default=None, metadata=_SECTION)
@@ -313,8 +314,13 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
         store = structure(StoreSettings, data["store"], "store")
         # Without ``dir`` there is no store: the member keeps its state in memory only.
         store = store if store.directory else None
-    if store is not None and cluster is None:
-        raise ConfigError("[store] needs [cluster]: the store records a cluster member's stream")
+    if store is not None and cluster is None and "recover_with" in data["store"]:
+        # A standalone broker keeps its state in its store too (runtime/process/standalone.py),
+        # but how many members a restart waits for means nothing without members.
+        raise ConfigError(
+            "[store] recover_with says how many members a cluster restart waits for: "
+            "it needs [cluster] (a standalone broker recovers its own store)"
+        )
     if own.admin_tls and tls is None:
         raise ConfigError("[server] admin_tls needs a [tls] section (certfile, keyfile)")
     return attrs.evolve(own, tls=tls, broker=broker, cluster=cluster, store=store)

@@ -6,6 +6,8 @@
 * ``assembly``: :func:`~.assembly.assemble`, which builds one incarnation's parts (the other
   wings' among them: the replication mode, the clients' side, the admin desk, the federation
   links, both sides of a state update) and the member over them.
+* ``standalone``: :class:`~.standalone.StandaloneStore`, a standalone broker's store
+  (``[store]`` without ``[cluster]``): recovery at start, the journal, confirms that wait for it.
 * ``sdnotify``: systemd's notify protocol and its watchdog.
 
 The top wing, imported by no other: it builds each incarnation's member, the listeners of the
@@ -13,5 +15,5 @@ clients' side and the admin endpoint, and wires them together. The command line 
 ``main``.
 
 Nothing is re-exported here: ``main`` imports ``process`` only when it runs a cluster member,
-so that a standalone broker never loads the member.
+so that a standalone broker never loads the member (with a store, only the member's store link).
 """

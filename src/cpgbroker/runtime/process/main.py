@@ -9,7 +9,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -19,6 +19,9 @@ from cpgbroker.model.events import (
 from cpgbroker.runtime.amqp.server import AmqpServer, open_listeners, wait_for_signal
 from cpgbroker.runtime.config.settings import ServerConfig
 from cpgbroker.runtime.process import sdnotify
+
+if TYPE_CHECKING:
+    from cpgbroker.runtime.process.standalone import StandaloneStore
 
 log = logging.getLogger("cpgbroker.server")
 
@@ -31,13 +34,44 @@ async def serve(
     notifier: sdnotify.Notifier | None = None,
 ) -> None:
     """Serve until cancelled or signalled; reports the bound (host, port) pairs via
-    ``task_status`` (port 0 in the config picks a free port)."""
-    node = (node_factory or AmqpServer)(config)
+    ``task_status`` (port 0 in the config picks a free port). With ``[store]``, the state is
+    recovered from the store first and kept in it (runtime/process/standalone.py)."""
+    notifier = notifier or sdnotify.Notifier(None)
+    stored = None
+    if config.store is not None and node_factory is None:
+        from cpgbroker.runtime.process.standalone import StandaloneStore
+
+        notifier.status("recovering the store")
+        stored = await StandaloneStore.recover(config)
+        node = stored.node
+    else:
+        node = (node_factory or AmqpServer)(config)
+    stopped = False
+    try:
+        await _serve(config, node, stored, task_status, notifier)
+        stopped = True
+    finally:
+        if stored is not None:
+            # A stop leaves the store clean; anything else (a failure, a cancelled test)
+            # leaves it as a crash would, for the next start to recover.
+            stored.close(stopped)
+    log.info("stopped")
+
+
+async def _serve(
+    config: ServerConfig,
+    node: AmqpServer,
+    stored: StandaloneStore | None,
+    task_status: trio.TaskStatus[list[tuple[str, int]]],
+    notifier: sdnotify.Notifier,
+) -> None:
     listeners, bound = await open_listeners(config)
     node.now_ms()
     await node.submit(Tick(node.now_ms()))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(node.ticker)
+        if stored is not None:
+            nursery.start_soon(stored.run)
         serve_scope = trio.CancelScope()
 
         async def run_listeners() -> None:
@@ -61,12 +95,11 @@ async def serve(
                     command=None if desk is None else desk.request,
                 ),
                 config.admin_listen,
-                node.status,
+                node.status if stored is None else stored.status,
                 None,
                 endpoint.load_secret(config),
             )
         task_status.started(bound)
-        notifier = notifier or sdnotify.Notifier(None)
         notifier.ready("serving on " + ", ".join(f"{h}:{p}" for h, p in bound))
         nursery.start_soon(sdnotify.keep_alive, notifier)
         signum = await wait_for_signal()
@@ -84,7 +117,6 @@ async def serve(
             await lst.aclose()
         await node.shutdown_clients(config.shutdown_grace)
         nursery.cancel_scope.cancel()
-    log.info("stopped")
 
 
 class _LogfmtFormatter(logging.Formatter):
@@ -118,6 +150,7 @@ def main(config_path: str | None, listen: str | None, force_boot: bool = False) 
         return 2
     setup_logging(cfg.log_level, cfg.log_format)
     from cpgbroker.errors import ClusterError, CpgError
+    from cpgbroker.store.disk import StoreError
 
     tune_gc()
     # Read (and removed from the environment, so children cannot speak for us) before any
@@ -136,7 +169,8 @@ def main(config_path: str | None, listen: str | None, force_boot: bool = False) 
         if isinstance(leaf, OSError):
             log.error("cannot serve: %s", leaf)
             return 1
-        if isinstance(leaf, (ClusterError, CpgError)):
+        if isinstance(leaf, (ClusterError, CpgError, StoreError)):
+            # (StoreError: a standalone broker's store cannot be recovered, or failed.)
             log.error("stopped: %s", leaf)
             return 3
         raise
