@@ -144,6 +144,10 @@ class MemberProcess:
         member = self.member
         if member is not None and member.suspended is None:
             out = member.report(with_digest)
+            if out["state"] == "ready" and self.phase != "ready":
+                # The membership is ready a moment before this process serves clients (it
+                # opens its listeners then): "ready" is what a client may connect to.
+                out["state"] = self.phase
         else:
             out = {
                 "member": None if member is None else member.member,
