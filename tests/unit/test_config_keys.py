@@ -8,8 +8,15 @@ from pathlib import Path
 
 import attrs
 
-from cpgbroker.model.config import BrokerConfig, Permission, User
+from cpgbroker.model.config import BrokerConfig
 from cpgbroker.runtime.config import settings
+from cpgbroker.runtime.config.definitions import (
+    FederationSection,
+    PermissionEntry,
+    PolicyEntry,
+    UpstreamEntry,
+    UserEntry,
+)
 from cpgbroker.runtime.config.settings import ClusterConfig, ServerConfig
 from cpgbroker.runtime.config.tls import TlsConfig
 from cpgbroker.store.store import StoreSettings
@@ -26,7 +33,8 @@ IN_THE_FILE_AS = {
     (BrokerConfig, "users"): "[[users]]",
     (BrokerConfig, "policies"): "[[policies]]",
     (BrokerConfig, "upstreams"): "[[federation.upstreams]]",
-    (User, "permissions"): "[[users.permissions]]",
+    (UserEntry, "permissions"): "[[users.permissions]]",
+    (FederationSection, "upstreams"): "[[federation.upstreams]]",
 }
 
 
@@ -38,8 +46,11 @@ def missing_keys(text: str) -> list[str]:
         StoreSettings,
         TlsConfig,
         BrokerConfig,
-        User,
-        Permission,
+        UserEntry,
+        PermissionEntry,
+        PolicyEntry,
+        FederationSection,
+        UpstreamEntry,
     )
     for cls in classes:
         for field in attrs.fields(cls):

@@ -46,6 +46,21 @@ from cpgbroker.runtime.config.settings import from_dict
         ({"limits": {"bogus": 1}}, r"unknown \[limits\] key\(s\): bogus"),
         ({"limits": {"vhost_max_queues": -2}}, r"\[limits\] vhost_max_queues must be an integer"),
         ({"users": [{"name": "a", "password": "p", "max_channels": 1.5}]}, r"\[users\] max_ch"),
+        # [[users]], [[policies]] and [federation] are declared too (runtime/config/definitions.py).
+        ({"users": [{"name": "a", "password": "p", "pasword": "q"}]}, r"unknown \[\[users\]\] key"),
+        ({"users": {"name": "a", "password": "p"}}, r"users must be an array of tables"),
+        (
+            {"users": [{"name": "a", "password": "p", "loopback_only": "no"}]},
+            r"\[users\] loopback_only must be true or false",
+        ),
+        ({"policies": [{"name": "p", "pattern": ".", "priority": "x"}]}, r"priority must be int"),
+        ({"policies": [{"name": "p"}]}, r"\[policies\] entry is missing 'pattern'"),
+        (
+            {"federation": {"upstreams": {"name": "u", "uri": "amqp://h/"}}},
+            r"federation\.upstreams must be an array of tables",
+        ),
+        ({"federation": {"upstreams": [{"name": "u", "url": "x"}]}}, r"unknown \[\[federation"),
+        ({"federation": {"server": "x"}}, r"unknown \[federation\] key\(s\): server"),
     ],
 )
 def test_a_bad_key_is_refused_with_its_name(data: dict[str, Any], error: str) -> None:

@@ -3,6 +3,8 @@
 * ``settings``: :func:`load` gives a :class:`ServerConfig` (the model's settings plus this
   process's own: listeners, logging, cluster membership).
 * ``sections``: a section of the file read into its attrs class (cattrs): each key a field.
+* ``definitions``: ``[[users]]``, ``[[policies]]`` and ``[federation]``, read so, then made
+  the model's records (``User``, ``Policy``, ``Upstream``) and checked against the vhosts.
 * ``digest``: ``config_digest``, what members compare when one joins (``cluster_wide`` fields).
 * ``tls``: :class:`~.tls.TlsConfig`, the amqps server context and the user a client
   certificate names.

@@ -17,7 +17,9 @@ A field with an attrs ``converter`` is handed the value from the file as it is (
 ``HOST:PORT`` that stands for an array of one); the others are converted to their type, a
 boolean only from ``true`` or ``false``. Every error is a :class:`ConfigError` naming the key
 as the class's ``KEY`` spells it (``cluster.size``): an unknown key, a missing one, a value of
-the wrong type, or one a validator refuses (in its own words).
+the wrong type, or one a validator refuses (in its own words). An array of tables
+(``[[users]]``) is read entry by entry (:func:`structure_array`); its unknown keys are
+said of ``[[users]]``.
 """
 
 from __future__ import annotations
@@ -88,15 +90,24 @@ def _structure_fn(cls: type[Any], section: str) -> Callable[..., Any]:
     return _made[cls, section]
 
 
-def structure(cls: type[T], raw: object, section: str) -> T:
-    """The table ``[section]`` of the file as a ``cls`` (its other fields: their defaults)."""
+def structure(cls: type[T], raw: object, section: str, table: str = "") -> T:
+    """The table ``[section]`` of the file as a ``cls`` (its other fields: their defaults);
+    ``table``: what errors call it, when not ``[section]`` (an entry of ``[[section]]``)."""
+    table = table or f"[{section}]"
     if not isinstance(raw, dict):
-        raise ConfigError(f"[{section}] must be a table")
+        raise ConfigError(f"{table} must be a table")
     try:
         made: T = _structure_fn(cls, section)(raw, cls)
         return made
     except ClassValidationError as group:
-        raise ConfigError(_message(group.exceptions[0], group.cl, section)) from None
+        raise ConfigError(_message(group.exceptions[0], group.cl, section, table)) from None
+
+
+def structure_array(cls: type[T], raw: object, section: str) -> tuple[T, ...]:
+    """The array of tables ``[[section]]`` of the file, each entry a ``cls``."""
+    if not isinstance(raw, list):
+        raise ConfigError(f"{section} must be an array of tables ([[{section}]])")
+    return tuple(structure(cls, entry, section, f"[[{section}]]") for entry in raw)
 
 
 def structure_sections(cls: type[T], data: dict[str, Any], sections: tuple[str, ...]) -> T:
@@ -113,11 +124,11 @@ def structure_sections(cls: type[T], data: dict[str, Any], sections: tuple[str, 
     )
 
 
-def _message(e: BaseException, cls: type[Any], section: str) -> str:
+def _message(e: BaseException, cls: type[Any], section: str, table: str) -> str:
     if isinstance(e, ConfigError):
         return str(e)
     if isinstance(e, ForbiddenExtraKeysError):
-        return f"unknown [{section}] key(s): {', '.join(sorted(e.extra_fields))}"
+        return f"unknown {table} key(s): {', '.join(sorted(e.extra_fields))}"
     notes = getattr(e, "__notes__", ())
     note = next((n for n in notes if isinstance(n, AttributeValidationNote)), None)
     if note is None:

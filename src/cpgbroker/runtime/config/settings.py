@@ -12,21 +12,8 @@ import attrs
 
 from cpgbroker import __version__
 from cpgbroker.errors import ConfigError
-from cpgbroker.model import (
-    CLUSTER_WIDE,
-    PERMISSION_FIELDS,
-    REPLICATE,
-    BrokerConfig,
-    Permission,
-    Policy,
-    Upstream,
-    User,
-    auth,
-    check_user,
-    cluster_wide,
-    upstream_from_value,
-    validate_policy,
-)
+from cpgbroker.model import CLUSTER_WIDE, REPLICATE, BrokerConfig, cluster_wide
+from cpgbroker.runtime.config import definitions
 from cpgbroker.runtime.config.sections import (
     address,
     addresses,
@@ -201,72 +188,6 @@ def with_force_boot(cfg: ServerConfig) -> ServerConfig:
     return attrs.evolve(cfg, cluster=attrs.evolve(cfg.cluster, force_boot=True))
 
 
-def _policies(raw: Any, vhosts: tuple[str, ...]) -> tuple[Policy, ...]:
-    """``[[policies]]``: policies a new cluster starts with (RabbitMQ's set_policy keys)."""
-    if not isinstance(raw, list):
-        raise ConfigError("policies must be an array of tables ([[policies]])")
-    out = []
-    for p in raw:
-        unknown = sorted(
-            set(p) - {"vhost", "name", "pattern", "apply_to", "definition", "priority"}
-        )
-        if unknown:
-            raise ConfigError(f"unknown [[policies]] key(s): {', '.join(unknown)}")
-        policy = Policy(
-            str(p.get("vhost", "/")),
-            _req(p, "name", "policies"),
-            _req(p, "pattern", "policies"),
-            str(p.get("apply_to", "all")),
-            dict(p.get("definition", {})),
-            int(p.get("priority", 0)),
-        )
-        if policy.vhost not in vhosts:
-            raise ConfigError(f"policy {policy.name!r}: vhost {policy.vhost!r} is not declared")
-        problem = validate_policy(policy)
-        if problem is not None:
-            raise ConfigError(f"policy {policy.name!r}: {problem}")
-        out.append(policy)
-    return tuple(out)
-
-
-# [[federation.upstreams]] keys, and the key of RabbitMQ's federation-upstream value each is.
-_UPSTREAM_KEYS = {
-    "uri": "uri",
-    "exchange": "exchange",
-    "max_hops": "max-hops",
-    "ack_mode": "ack-mode",
-    "prefetch_count": "prefetch-count",
-    "reconnect_delay": "reconnect-delay",
-    "expires": "expires",
-    "message_ttl": "message-ttl",
-    "push": "push",
-}
-
-
-def _federation(raw: Any, vhosts: tuple[str, ...]) -> tuple[str, tuple[Upstream, ...]]:
-    """``[federation]``: this cluster's server id and the upstreams a new cluster starts with."""
-    if not isinstance(raw, dict):
-        raise ConfigError("[federation] must be a table")
-    unknown = sorted(set(raw) - {"server_id", "upstreams"})
-    if unknown:
-        raise ConfigError(f"unknown [federation] key(s): {', '.join(unknown)}")
-    server_id = str(raw.get("server_id", ""))
-    upstreams = []
-    for u in raw.get("upstreams", []):
-        extra = sorted(set(u) - {"name", "vhost", *_UPSTREAM_KEYS})
-        if extra:
-            raise ConfigError(f"unknown [[federation.upstreams]] key(s): {', '.join(extra)}")
-        name, vhost = _req(u, "name", "federation.upstreams"), str(u.get("vhost", "/"))
-        if vhost not in vhosts:
-            raise ConfigError(f"upstream {name!r}: vhost {vhost!r} is not declared")
-        value = {_UPSTREAM_KEYS[k]: v for k, v in u.items() if k in _UPSTREAM_KEYS}
-        upstream = upstream_from_value(vhost, name, value)
-        if isinstance(upstream, str):
-            raise ConfigError(f"upstream {name!r}: {upstream}")
-        upstreams.append(upstream)
-    return server_id, tuple(upstreams)
-
-
 def load(path: str | None, listen: str | None = None) -> ServerConfig:
     data: dict[str, Any] = {}
     if path is not None:
@@ -329,15 +250,15 @@ def from_dict(data: dict[str, Any], listen: str | None = None) -> ServerConfig:
 def _broker(data: dict[str, Any]) -> BrokerConfig:
     """The model's settings: ``[limits]``, and what a new cluster starts with."""
     vhosts = tuple(data.get("vhosts", ["/"]))
-    users = _users(data.get("users"), vhosts)
-    server_id, upstreams = _federation(data.get("federation", {}), vhosts)
+    users = definitions.users(data.get("users"), vhosts)
+    server_id, upstreams = definitions.federation(data.get("federation", {}), vhosts)
     return attrs.evolve(
         structure(BrokerConfig, data.get("limits", {}), "limits"),
         # What clients are told in server-properties: this member's release.
         version=__version__,
         users=users,
         vhosts=vhosts,
-        policies=_policies(data.get("policies", []), vhosts),
+        policies=definitions.policies(data.get("policies", []), vhosts),
         server_id=server_id,
         upstreams=upstreams,
         replicated="cluster" in data,
@@ -358,45 +279,6 @@ def _cluster(
     if cluster.local_listen_tls and tls is None:
         raise ConfigError("cluster.local_listen_tls needs a [tls] section (certfile, keyfile)")
     return cluster
-
-
-def _users(raw: Any, vhosts: tuple[str, ...]) -> tuple[User, ...]:
-    """``[[users]]``, each checked against the declared vhosts; the default user without."""
-    if raw is None:
-        users: tuple[User, ...] = BrokerConfig().users
-    else:
-        users = tuple(
-            User(
-                name=_req(u, "name", "users"),
-                password=_password(u),
-                password_hash=str(u.get("password_hash", "")),
-                hashing_algorithm=str(u.get("hashing_algorithm", auth.DEFAULT_ALGORITHM)),
-                # With [[users.permissions]], no vhost is granted unless named.
-                vhosts=tuple(u.get("vhosts", [] if "permissions" in u else ["/"])),
-                permissions=_permissions(u),
-                loopback_only=bool(u.get("loopback_only", False)),
-                tags=tuple(u.get("tags", [])),
-                max_connections=u.get("max_connections"),
-                max_channels=u.get("max_channels"),
-            )
-            for u in raw
-        )
-    for u in users:
-        for vh in u.vhosts:
-            if vh not in vhosts:
-                raise ConfigError(f"user {u.name!r} refers to vhost {vh!r} which is not declared")
-        for perm in u.permissions:
-            if perm.vhost not in vhosts:
-                raise ConfigError(
-                    f"user {u.name!r} has permissions on vhost {perm.vhost!r} which is not declared"
-                )
-            if perm.vhost in u.vhosts:
-                raise ConfigError(
-                    f"user {u.name!r}: vhost {perm.vhost!r} is both in vhosts (full "
-                    "permissions) and in [[users.permissions]]"
-                )
-        check_user(u)
-    return users
 
 
 def standalone_name() -> str:
@@ -421,51 +303,6 @@ def _cluster_name(c: Any) -> str:
     if not isinstance(name, str) or not name.strip():
         raise ConfigError("cluster.name must be a non-empty string")
     return name
-
-
-def _password(u: dict[str, Any]) -> str:
-    """A user has ``password`` or ``password_hash`` (RabbitMQ's format), not both."""
-    name = u.get("name", "?")
-    if ("password" in u) == ("password_hash" in u):
-        raise ConfigError(f"[[users]] {name!r} needs either password or password_hash")
-    if "password_hash" in u:
-        algo = str(u.get("hashing_algorithm", auth.DEFAULT_ALGORITHM))
-        # "" as RabbitMQ's `clear_password`: no password login at all (EXTERNAL only).
-        if u["password_hash"] != "" and not auth.valid_hash(str(u["password_hash"]), algo):
-            raise ConfigError(
-                f"[[users]] {name!r}: password_hash is not a {algo} hash in RabbitMQ's format "
-                "(make one with `cpgbroker hash-password`)"
-            )
-        return ""
-    return str(u["password"])
-
-
-def _permissions(u: dict[str, Any]) -> tuple[Permission, ...]:
-    """[[users.permissions]]: vhost, configure, write, read, all required (as rabbitmqctl
-    set_permissions); the patterns are checked once the users are built."""
-    name = u.get("name", "?")
-    raw = u.get("permissions", [])
-    if not isinstance(raw, list) or not all(isinstance(p, dict) for p in raw):
-        raise ConfigError(f"[[users]] {name!r}: permissions must be [[users.permissions]] tables")
-    out: list[Permission] = []
-    for p in raw:
-        keys = ("vhost", *PERMISSION_FIELDS)
-        missing = [k for k in keys if k not in p]
-        unknown = sorted(k for k in p if k not in keys)
-        if missing or unknown:
-            raise ConfigError(
-                f"[[users.permissions]] of user {name!r} "
-                + (f"is missing {', '.join(missing)}" if missing else "")
-                + (" and " if missing and unknown else "")
-                + (f"has unknown key(s) {', '.join(unknown)}" if unknown else "")
-            )
-        bad = [k for k in keys if not isinstance(p[k], str)]
-        if bad:
-            raise ConfigError(f"user {name!r}, vhost {p['vhost']!r}: {bad[0]} must be a string")
-        if any(q.vhost == p["vhost"] for q in out):
-            raise ConfigError(f"user {name!r} has two permissions entries for vhost {p['vhost']!r}")
-        out.append(Permission(p["vhost"], p["configure"], p["write"], p["read"]))
-    return tuple(out)
 
 
 def _req(d: dict[str, Any], key: str, section: str) -> Any:
