@@ -118,7 +118,8 @@ class Policy:
 @attrs.frozen
 class BrokerConfig:
     """The model's settings: every field but ``member_urls`` is cluster-wide. Those of
-    ``[limits]`` are read from it (runtime/config/sections.py); the others, by hand."""
+    ``[limits]`` are read from it (runtime/config/sections.py); users, policies and federation
+    from their own declared entries (runtime/config/definitions.py)."""
 
     KEY: ClassVar[str] = "[limits] {}"
 
