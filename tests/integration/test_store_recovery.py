@@ -599,3 +599,89 @@ def test_hot_standby_shipping_changes_stores_what_it_confirms(
     with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
         conn.channel().queue_declare("tmp.q", passive=True)
     assert e.value.reply_code == 404
+
+
+_GUEST = (
+    '[[users]]\nname = "guest"\npassword = "guest"\nvhosts = ["/"]\nloopback_only = true\n'
+    'tags = ["administrator"]\n'
+)
+
+
+def _app_user(password: str) -> str:
+    return f'[[users]]\nname = "app"\npassword = "{password}"\nvhosts = ["/"]\n'
+
+
+def _publish_as_app(bs: BrokerSet, node: int, password: str, n: int, tag: str) -> list[bytes]:
+    params = pika.URLParameters(f"amqp://app:{password}@127.0.0.1:{bs.ports[node][0]}/")
+    params.socket_timeout = 5
+    conn = pika.BlockingConnection(params)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    sent = []
+    for i in range(n):
+        body = f"{tag}-{i}".encode()
+        ch.basic_publish("dur.x", "pw.q", body, PERSISTENT)  # raises unless confirmed
+        sent.append(body)
+    conn.close()
+    return sent
+
+
+def _serving(bs: BrokerSet, hot_standby: bool) -> list[int]:
+    """The members that take clients: all of them, or the one every member names primary."""
+    if not hot_standby:
+        return [1, 2, 3]
+    named = set()
+    for n in (1, 2, 3):
+        s = bs.status(n)
+        assert s is not None
+        named.add(s["primary_url"].split("@")[-1].split("://")[-1])
+    assert len(named) == 1, named
+    (where,) = named
+    return [n for n in (1, 2, 3) if bs.url(n).endswith(where)]
+
+
+def _ready(bs: BrokerSet, node: int, queue: str) -> int:
+    s = bs.status(node)
+    assert s is not None
+    return int(s["queues"][f"/:{queue}"]["ready"])
+
+
+@pytest.mark.parametrize("hot_standby", [False, True], ids=["active-active", "hot-standby"])
+def test_a_restart_with_a_changed_password_keeps_what_the_old_one_published(
+    own_set: Any, hot_standby: bool
+) -> None:
+    """The journals hold the clients' logins as they were sent: every member's file changes a
+    user's password, then the whole cluster is killed and restarted. The journal replays under
+    the password it was written with (or every message that user published would be lost), the
+    new password applies from the restart on, alike on every member, and what is published
+    under it survives the next kill of every member."""
+    mode = 'mode = "hot-standby"' if hot_standby else ""
+    bs = own_set(extra_config=_GUEST + _app_user("old"), cluster_options=mode)
+    bs.start_all(timeout=60)
+    serving = _serving(bs, hot_standby)
+    c = connect(bs, serving[0])
+    _declare(c.channel(), ["pw.q"])
+    c.close()
+    sent = [b for n in serving for b in _publish_as_app(bs, n, "old", 120 // len(serving), f"o{n}")]
+    _kill_all(bs)
+    bs.extra_config = _GUEST + _app_user("new")  # every member's file, alike
+    _restart(bs, [1, 2, 3])
+    bs.converged([1, 2, 3])
+    for n in (1, 2, 3):
+        found = _ready(bs, n, "pw.q")
+        assert found == len(sent), f"member {n}: {len(sent)} confirmed, {found} found"
+        # Every member read its recovered state back with the new settings before joining.
+        bs.wait_log(n, "they apply from a snapshot at event")
+    serving = _serving(bs, hot_standby)
+    with pytest.raises(pika.exceptions.ProbableAuthenticationError):
+        _publish_as_app(bs, serving[0], "old", 1, "refused")
+    sent += [
+        b for n in serving for b in _publish_as_app(bs, n, "new", 120 // len(serving), f"n{n}")
+    ]
+    _kill_all(bs)
+    _restart(bs, [3, 2, 1])
+    bs.converged([1, 2, 3])
+    got = [body for body, _r in _get_all(bs, _serving(bs, hot_standby)[0], "pw.q")]
+    assert len(got) == len(sent) and sorted(got) == sorted(sent), (
+        f"{len(sent)} confirmed, {len(got)} found: lost {sorted(set(sent) - set(got))[:5]}"
+    )

@@ -304,3 +304,43 @@ def test_a_0_1_0_member_is_refused_by_a_cluster_that_moved_up_and_its_store_is_u
     ch.confirm_delivery()
     ch.queue_declare("still.q")
     ch.basic_publish("", "still.q", b"x")
+
+
+def _users(app_password: str) -> str:
+    return (
+        '[[users]]\nname = "guest"\npassword = "guest"\nvhosts = ["/"]\nloopback_only = true\n'
+        'tags = ["administrator"]\n'
+        f'[[users]]\nname = "app"\npassword = "{app_password}"\nvhosts = ["/"]\n'
+    )
+
+
+def test_a_store_0_1_0_wrote_under_other_settings_after_the_current_code_keeps_its_messages(
+    broker_set: Callable[..., BrokerSet], releases: dict[str, str]
+) -> None:
+    """The current code keeps the settings a store's journal was written with beside it; 0.1.0
+    ignores that file. A cluster upgraded, rolled back whole with every file's password
+    changed, then upgraded again must not replay what 0.1.0 journaled under the stale file:
+    the metadata 0.1.0 rewrote no longer names it, so the configuration's settings apply."""
+    bs = broker_set(store=True, python=releases[OLD], extra_config=_users("a"))
+    for n in (1, 2, 3):
+        _upgrade_member(bs, n, sys.executable)  # each store keeps the settings with "a"
+    for n in (1, 2, 3):
+        bs.kill(n)
+        bs.set_python(n, releases[OLD])
+    bs.extra_config = _users("b")
+    bs.start_all(timeout=90)
+    params = pika.URLParameters(f"amqp://app:b@127.0.0.1:{bs.ports[1][0]}/")
+    conn = pika.BlockingConnection(params)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare(QUEUE, durable=True)
+    sent = [b"under-b-%d" % i for i in range(60)]
+    for body in sent:
+        ch.basic_publish("", QUEUE, body, PERSISTENT)  # raises unless confirmed
+    conn.close()
+    for n in (1, 2, 3):
+        bs.kill(n)
+        bs.set_python(n, sys.executable)
+    bs.start_all(timeout=90)
+    bs.converged([1, 2, 3], timeout=30)
+    assert drain_queue(bs, 2, QUEUE) == sent

@@ -23,6 +23,11 @@ always says one consistent thing about the files beside it:
 ``epoch``
     The history epoch (cluster/membership.py): a forced boot from a minority starts a new one,
     so its state wins over stores that never saw it.
+``settings``
+    The checksum of the model settings file a member keeps beside (runtime/member/storelink.py)
+    when it last wrote this file. Releases before 0.2.0 neither keep that file nor write this
+    key: a store they wrote after (a member rolled back, then upgraded again) no longer matches,
+    so its settings file, older than its journal, is not used.
 """
 
 from __future__ import annotations
@@ -53,11 +58,13 @@ class Meta:
     state: str
     last_seq: int = 0
     base_version: int | None = None
+    settings: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = attrs.asdict(self)
-        if out["base_version"] is None:
-            del out["base_version"]  # as releases before 0.2.0 write it
+        for key in ("base_version", "settings"):
+            if out[key] is None:
+                del out[key]  # as releases before 0.2.0 write it
         out["format"] = FORMAT
         return out
 
@@ -85,6 +92,7 @@ def load(disk: Disk, directory: str) -> Meta | None:
             state=str(d["state"]),
             last_seq=int(d.get("last_seq", 0)),
             base_version=None if d.get("base_version") is None else int(d["base_version"]),
+            settings=None if d.get("settings") is None else str(d["settings"]),
         )
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise StoreCorrupt(f"{p}: offset 0: unreadable metadata ({e})") from e

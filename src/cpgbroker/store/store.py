@@ -219,6 +219,8 @@ class Store:
         self.next_seq = 1
         self.snapshotting: tuple[int, int, str] | None = None  # (pid, seq, file name)
         self.progress = RecoveryProgress()
+        # Said in the metadata: the checksum of the settings file kept beside it (meta.py).
+        self.settings_tag: str | None = None
         self.snapshots_taken = 0
         self._on_durable: Callable[[int], None] = _ignore
         self._on_error: Callable[[OSError], None] = _ignore_error
@@ -251,6 +253,7 @@ class Store:
             )
         self.model_version = m.model_version
         self.base_version = m.model_version if m.base_version is None else m.base_version
+        self.settings_tag = m.settings
         self.epoch = m.epoch
         if m.state == meta.REPLACING:
             log.warning(
@@ -580,8 +583,15 @@ class Store:
                 self.base_version
                 if self.empty_base and self.base_version != self.model_version
                 else None,
+                self.settings_tag,
             ),
         )
+
+    def set_settings_tag(self, tag: str) -> None:
+        """The settings file beside the metadata was just replaced: the metadata says which."""
+        self.settings_tag = tag
+        if self.syncer is not None and not self.replacing:
+            self._save_meta(meta.SERVING)
 
     def disk_low(self) -> bool:
         """Whether the store's file system has less free space than the limit."""

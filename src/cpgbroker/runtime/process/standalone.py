@@ -41,12 +41,9 @@ confirm gate. The model and client I/O are the standalone node's, unchanged.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
 from typing import Any
 
-import cattrs
 import trio
 
 from cpgbroker.model import Broker, BrokerConfig
@@ -55,8 +52,8 @@ from cpgbroker.runtime.admin.admindesk import AdminDesk
 from cpgbroker.runtime.amqp.confirms import ConfirmGate
 from cpgbroker.runtime.amqp.server import AmqpServer, LocalSequencer
 from cpgbroker.runtime.config.settings import ServerConfig
+from cpgbroker.runtime.member import storelink
 from cpgbroker.runtime.member.storelink import StoreLink
-from cpgbroker.store import snapfile
 from cpgbroker.store.disk import StoreCorrupt, StoreError
 from cpgbroker.store.store import Recovery, Store, StoreMismatch
 
@@ -68,10 +65,8 @@ GROUP = "(standalone)"
 # The member id a standalone broker's connections and operators' changes carry.
 MEMBER = 0
 # Beside the store's metadata: the model settings (``BrokerConfig``) its journal was written
-# with. A cluster's members compare theirs when they join; a standalone broker compares the
-# file's with these at start (``rebase``).
+# with; the file's are compared with these at start (``rebase``), as a member's are.
 SETTINGS = "standalone-settings.json"
-_CONVERTER = cattrs.Converter()
 
 
 def _nobody(_effects: list[Effect]) -> None:
@@ -247,57 +242,20 @@ async def restart(sequencer: LocalSequencer) -> None:
 
 
 async def rebase(store: Store, broker: Broker, config: ServerConfig) -> Broker:
-    """The file's model settings ([limits], [[users]], vhosts, policies, federation) differ
-    from those the store's journal was written with: take effect from a snapshot of ``broker``
-    (right after the restart: no connection, nothing of the journal's in flight). The
-    snapshot becomes the store's base, then the settings are saved, then the model is read
-    back from it with the new settings, as the next recovery will read it; a crash in between
-    recovers the old settings and does this again."""
-    log.info(
-        "the configuration's [limits], [[users]], vhosts, policies or federation differ from "
-        "those the store was written with: they apply from a snapshot at event %d",
-        broker.event_seq,
-    )
-    store.snapshot(broker)
-    taking = store.snapshotting
-    assert taking is not None
-    pid, seq, name = taking
-    if pid > 0:
-        _pid, status = await trio.to_thread.run_sync(os.waitpid, pid, 0)
-        store.snapshot_done(pid, os.waitstatus_to_exitcode(status) == 0)
-    if store.snapshot_name != name:
-        raise StoreError(f"the store at {store.dir} could not write a snapshot at event {seq}")
-    await trio.to_thread.run_sync(save_settings, store, config.broker)
-    path = os.path.join(store.dir, name)
-
-    def read() -> Broker:
-        with store.disk.open_read(path) as f:
-            return snapfile.read(f, path, config.broker)
-
-    return await trio.to_thread.run_sync(read)
+    """The file's model settings differ from those the store's journal was written with: take
+    effect from a snapshot of ``broker``, right after the restart (no connection, nothing of
+    the journal's in flight), as a member's do before it joins (``storelink.rebase``)."""
+    return await storelink.rebase(store, broker, config.broker, SETTINGS)
 
 
 def load_settings(store: Store) -> BrokerConfig | None:
     """The model settings the store's journal (after its base) was written with; None for a
     new store."""
-    path = os.path.join(store.dir, SETTINGS)
-    if not store.disk.exists(path):
-        return None
-    try:
-        raw = json.loads(store.disk.read(path))
-        if raw.get("format") != 1:
-            raise ValueError(f"format {raw.get('format')!r} is not 1")
-        settings: BrokerConfig = _CONVERTER.structure(raw["broker"], BrokerConfig)
-    except (ValueError, KeyError, TypeError, AttributeError, cattrs.BaseValidationError) as e:
-        raise StoreCorrupt(f"{path}: offset 0: unreadable settings ({e})") from e
-    return settings
+    return storelink.load_settings(store, SETTINGS)
 
 
 def save_settings(store: Store, settings: BrokerConfig) -> None:
-    data = {"format": 1, "broker": _CONVERTER.unstructure(settings)}
-    store.disk.write_atomic(
-        os.path.join(store.dir, SETTINGS), json.dumps(data, indent=1).encode() + b"\n"
-    )
+    storelink.save_settings(store, settings, SETTINGS)
 
 
 def _conn_counter(rec: Recovery | None) -> int:
