@@ -132,7 +132,7 @@ def run_ours_standalone(shared: Path, secs: float) -> dict[str, Any]:
 
 # Where a member's CPU goes, by the innermost frame that belongs to one of these.
 CATEGORIES = (
-    ("cpg", ("cpgbroker/cpg.py", "cpgbroker/runtime/member/cpg_trio.py", "_cpg")),
+    ("cpg", ("cpgbroker/cpg.py", "cpgbroker/runtime/ring/cpg_trio.py", "_cpg")),
     ("decode_encode", ("cpgbroker/wire/", "pamqp/", "cpgbroker/cluster/codec.py")),
     ("model", ("cpgbroker/model/",)),
     ("cluster_logic", ("cpgbroker/cluster/", "cpgbroker/runtime/member/member.py")),

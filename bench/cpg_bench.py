@@ -9,7 +9,7 @@ It starts its own dev clusters (1 node and 3 nodes, token 3000 ms, in network na
 ``cpgbroker.dev.cluster``; corosync at nice -10 like ``devcluster up``, or at its own real-time
 priority with ``--realtime``), compiles ``bench/cpg_ref.c`` with gcc, and for every scenario runs
 the C client, the Python binding (:class:`cpgbroker.cpg.Cpg`) and the trio adapter
-(:mod:`cpgbroker.runtime.member.cpg_trio`) one after the other with the same algorithm:
+(:mod:`cpgbroker.runtime.ring.cpg_trio`) one after the other with the same algorithm:
 
 * every client joins one group and waits until all expected members are in;
 * senders multicast fixed-size messages for ``--seconds`` with at most ``--window`` of their own
@@ -163,7 +163,7 @@ def worker_trio(args: argparse.Namespace) -> dict[str, Any]:
 
     from cpgbroker.corosync.cpg import tune_malloc
     from cpgbroker.corosync.events import ConfChg, Deliver
-    from cpgbroker.runtime.member.cpg_trio import open_cpg
+    from cpgbroker.runtime.ring.cpg_trio import open_cpg
 
     tune_malloc()
     result: dict[str, Any] = {}

@@ -26,7 +26,7 @@ from cpgbroker.corosync.events import (
     TotemConfChg,
 )
 from cpgbroker.dev.cluster import DevCluster
-from cpgbroker.runtime.member.cpg_trio import TrioCpg, open_cpg
+from cpgbroker.runtime.ring.cpg_trio import TrioCpg, open_cpg
 
 pytestmark = pytest.mark.integration
 

@@ -56,7 +56,7 @@ async def run_worker(args: argparse.Namespace) -> dict[str, Any]:
 
     from cpgbroker.corosync.cpg import tune_malloc
     from cpgbroker.corosync.events import ConfChg, Deliver
-    from cpgbroker.runtime.member.cpg_trio import open_cpg
+    from cpgbroker.runtime.ring.cpg_trio import open_cpg
 
     tune_malloc()
     block = random.Random(1000 + args.index).randbytes(LARGEST)

@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from cpgbroker.corosync.errors import CpgConnectionLost, CpgTryAgain
-from cpgbroker.runtime.member.cpg_trio import TrioCpg
+from cpgbroker.runtime.ring.cpg_trio import TrioCpg
 
 
 class StubCpg:

@@ -20,7 +20,7 @@ Every ``cs_error_t`` maps to its own exception class (see :func:`error_class`). 
 from :class:`cpgbroker.errors.CpgError` (:mod:`cpgbroker.corosync.errors`); :class:`CpgTryAgain`
 (retry) is distinct from :class:`CpgFatalError` (everything else).
 
-This module does no I/O waiting of its own: see :mod:`cpgbroker.runtime.member.cpg_trio` for the
+This module does no I/O waiting of its own: see :mod:`cpgbroker.runtime.ring.cpg_trio` for the
 trio adapter, which also guards the calls that block forever when corosync hangs.
 """
 

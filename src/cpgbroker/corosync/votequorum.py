@@ -21,7 +21,7 @@ can raise into the library or lose a notification.
 CPG binding (:func:`cpgbroker.corosync.errors.make_error`; all under
 :class:`cpgbroker.errors.CpgError`), naming the votequorum call: a lost corosync is
 :class:`~cpgbroker.corosync.errors.CpgConnectionLost`
-whichever handle noticed it. No I/O waiting here: see :mod:`cpgbroker.runtime.member.quorum_trio`.
+whichever handle noticed it. No I/O waiting here: see :mod:`cpgbroker.runtime.ring.quorum_trio`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ A :class:`AmqpServer` does client I/O only: it is *given* the sequencer its even
 cluster, the confirm gate its confirms wait in. Standalone, the sequencer is trivial
 (:class:`LocalSequencer`): an event is applied the moment it is submitted (trio runs one task at
 a time, so submissions are already totally ordered). A cluster member gives it the CPG
-multicaster (``runtime/member/multicast.py``: the event is applied when CPG delivers it back, and
+multicaster (``runtime/ring/multicast.py``: the event is applied when CPG delivers it back, and
 the member hands the effects to :meth:`AmqpServer.execute`) and its confirm gate
 (``runtime/amqp/confirms.py``); nothing here changes.
 

@@ -24,10 +24,10 @@ from cpgbroker.runtime.member.applytimes import APPLY_SAMPLE, ApplyTimes
 from cpgbroker.runtime.member.checkpoints import Checkpointer
 from cpgbroker.runtime.member.errorcheck_rounds import ErrorChecks
 from cpgbroker.runtime.member.eventlog import EventLog
-from cpgbroker.runtime.member.multicast import Multicaster
 from cpgbroker.runtime.member.stream import Service, Stream
 from cpgbroker.runtime.member.watchdog import ApplyMark
 from cpgbroker.runtime.replication.modes import Replication
+from cpgbroker.runtime.ring.multicast import Multicaster
 from cpgbroker.runtime.update.giving import Updater
 
 

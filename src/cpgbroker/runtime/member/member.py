@@ -26,7 +26,7 @@ component owns its state and never imports this module:
   since quorum was lost until it is resumed or given up;
 * ``runtime/member/applying.py``: applying an event routed to the model, then recording,
   reporting and digesting it;
-* ``runtime/member/multicast.py``: submit, direct sends, batching, the sender task, the lag wait;
+* ``runtime/ring/multicast.py``: submit, direct sends, batching, the sender task, the lag wait;
 * ``cluster/progress.py`` (pure): peer progress, the stable sequence, report pacing;
   ``runtime/amqp/confirms.py``: local output held until its confirm is stable;
 * ``runtime/update/taking.py`` and ``runtime/update/giving.py``: the two sides of a state update;
@@ -34,7 +34,7 @@ component owns its state and never imports this module:
 * ``runtime/member/eventlog.py``: the event log and injected faults;
 * ``runtime/member/errorcheck_rounds.py``: this member's side of error-check rounds, over
   ``cluster/errorcheck_stall.py`` (pure);
-* ``cluster/quorum.py`` (pure, through ``runtime/member/ringgate.py``): ring gating;
+* ``cluster/quorum.py`` (pure, through ``runtime/ring/ringgate.py``): ring gating;
 * ``runtime/member/stops.py``: stop requests;
 * ``store/`` (through ``runtime/member/storelink.py``): the member's durable store, which journals
   every applied event (``runtime/member/applying.py``) and whose fsyncs come back as ``on_durable``.
@@ -90,12 +90,12 @@ from cpgbroker.runtime.member.checkpoints import Checkpointer
 from cpgbroker.runtime.member.errorcheck_rounds import ErrorChecks
 from cpgbroker.runtime.member.lease import LAPSED
 from cpgbroker.runtime.member.parts import Parts
-from cpgbroker.runtime.member.quorum_trio import TrioQuorum
-from cpgbroker.runtime.member.ringgate import VERDICT_TIMEOUT, RingGate
 from cpgbroker.runtime.member.roster import Roster
 from cpgbroker.runtime.member.stops import STOP_SETTLE
 from cpgbroker.runtime.member.stream import admin_settled, version_verdict
 from cpgbroker.runtime.member.watchdog import ApplyMark
+from cpgbroker.runtime.ring.quorum_trio import TrioQuorum
+from cpgbroker.runtime.ring.ringgate import VERDICT_TIMEOUT, RingGate
 from cpgbroker.runtime.update.giving import DeferredUpdate
 from cpgbroker.store.store import Store
 

@@ -20,11 +20,11 @@ from cpgbroker.runtime.admin.admindesk import AdminDesk
 from cpgbroker.runtime.amqp.confirms import ConfirmGate
 from cpgbroker.runtime.amqp.server import AmqpServer
 from cpgbroker.runtime.member.eventlog import EventLog
-from cpgbroker.runtime.member.multicast import Multicaster
 from cpgbroker.runtime.member.stops import Stops
 from cpgbroker.runtime.member.stream import Service, Stream
 from cpgbroker.runtime.replication.modes import Replication
 from cpgbroker.runtime.replication.standby import HotStandby
+from cpgbroker.runtime.ring.multicast import Multicaster
 from cpgbroker.runtime.update.giving import Updater
 from cpgbroker.runtime.update.taking import Newcomer
 

@@ -42,11 +42,11 @@ from cpgbroker.model.events import MemberLeft, Recovered, Tick
 from cpgbroker.runtime.member.checkpoints import Checkpointer
 from cpgbroker.runtime.member.errorcheck_rounds import ErrorChecks
 from cpgbroker.runtime.member.eventlog import EventLog
-from cpgbroker.runtime.member.multicast import Multicaster
 from cpgbroker.runtime.member.stops import Stops
 from cpgbroker.runtime.member.stream import Service, Stream
 from cpgbroker.runtime.replication.modes import Replication
 from cpgbroker.runtime.replication.standby import primary_of
+from cpgbroker.runtime.ring.multicast import Multicaster
 from cpgbroker.runtime.update.taking import Newcomer
 
 log = logging.getLogger("cpgbroker.member")

@@ -24,7 +24,7 @@ from cpgbroker.cluster.codec import StopRequest
 from cpgbroker.errors import ClusterError
 from cpgbroker.model import Broker, snapshot
 from cpgbroker.runtime.member.eventlog import EventLog
-from cpgbroker.runtime.member.multicast import Multicaster
+from cpgbroker.runtime.ring.multicast import Multicaster
 
 log = logging.getLogger("cpgbroker.member")
 

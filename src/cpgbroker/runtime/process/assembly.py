@@ -24,18 +24,18 @@ from cpgbroker.runtime.amqp.server import AmqpServer
 from cpgbroker.runtime.config.digest import config_digest
 from cpgbroker.runtime.config.settings import ServerConfig
 from cpgbroker.runtime.federation.links import FederationLinks, client_context
-from cpgbroker.runtime.member.cpg_trio import TrioCpg
 from cpgbroker.runtime.member.eventlog import EventLog
 from cpgbroker.runtime.member.lease import PrimaryLease
 from cpgbroker.runtime.member.member import ClusterNode, Inherited
-from cpgbroker.runtime.member.multicast import Multicaster
 from cpgbroker.runtime.member.parts import Parts
-from cpgbroker.runtime.member.quorum_trio import TrioQuorum
 from cpgbroker.runtime.member.stops import Stops
 from cpgbroker.runtime.member.stream import Service, Stream, admin_settled, version_verdict
 from cpgbroker.runtime.replication.modes import ReplayingBytes, Replication, ShippingChanges
 from cpgbroker.runtime.replication.shipping import Shipping
 from cpgbroker.runtime.replication.standby import HotStandby
+from cpgbroker.runtime.ring.cpg_trio import TrioCpg
+from cpgbroker.runtime.ring.multicast import Multicaster
+from cpgbroker.runtime.ring.quorum_trio import TrioQuorum
 from cpgbroker.runtime.update.giving import Updater
 from cpgbroker.runtime.update.taking import Newcomer
 

@@ -36,7 +36,6 @@ from cpgbroker.runtime.amqp.server import (
 )
 from cpgbroker.runtime.config.settings import ServerConfig, parse_listen
 from cpgbroker.runtime.member import watchdog
-from cpgbroker.runtime.member.cpg_trio import open_cpg
 from cpgbroker.runtime.member.member import (
     NOT_QUORATE_TEXT,
     RESYNC_TEXT,
@@ -44,11 +43,12 @@ from cpgbroker.runtime.member.member import (
     ClusterNode,
     Inherited,
 )
-from cpgbroker.runtime.member.quorum_trio import TrioQuorum, open_quorum
 from cpgbroker.runtime.member.status import MemberStatus
 from cpgbroker.runtime.member.storelink import StoreLink
 from cpgbroker.runtime.process import sdnotify
 from cpgbroker.runtime.process.assembly import assemble
+from cpgbroker.runtime.ring.cpg_trio import open_cpg
+from cpgbroker.runtime.ring.quorum_trio import TrioQuorum, open_quorum
 from cpgbroker.runtime.update.giving import close_released
 
 log = logging.getLogger("cpgbroker.member")

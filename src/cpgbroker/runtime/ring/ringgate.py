@@ -18,7 +18,7 @@ import trio
 
 from cpgbroker.cluster.quorum import SERVE, STOP, decide, ring_change
 from cpgbroker.corosync.events import ConfChg, RingId, TotemConfChg
-from cpgbroker.runtime.member.quorum_trio import TrioQuorum
+from cpgbroker.runtime.ring.quorum_trio import TrioQuorum
 
 # How long a held ring change may wait for its TotemConfChg and for votequorum's verdict on the
 # new ring. Both come from the same corosync synchronisation and arrive within milliseconds;

@@ -32,7 +32,7 @@ from cpgbroker.corosync.votequorum import (
     QuorumChange,
     QuorumInfo,
 )
-from cpgbroker.runtime.member.cpg_trio import hung_up
+from cpgbroker.runtime.ring.cpg_trio import hung_up
 
 log = logging.getLogger("cpgbroker.quorum")
 

@@ -34,7 +34,7 @@ from cpgbroker.cluster import codec
 from cpgbroker.cluster.progress import PeerProgress
 from cpgbroker.corosync.cpg import MAX_IOVEC
 from cpgbroker.model.events import ClientData, Event
-from cpgbroker.runtime.member.cpg_trio import TrioCpg
+from cpgbroker.runtime.ring.cpg_trio import TrioCpg
 
 log = logging.getLogger("cpgbroker.member")
 
