@@ -1,5 +1,6 @@
 """The broker model: a deterministic, sans-IO AMQP 0-9-1 broker whose whole state is a function of
-the ordered events it was given (docs/architecture.md, "The model").
+the ordered events it was given (docs/architecture.md, "The model's rooms" and "The sans-IO
+boundary").
 
 This module is the model's public API: what the runtime, the store, the cluster logic and the
 command line may use of it. Everything else in ``cpgbroker.model`` is the model's own, and

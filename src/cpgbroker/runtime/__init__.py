@@ -3,6 +3,7 @@ jobs (docs/architecture.md, "The runtime's wings"). From the bottom up, each imp
 wings below it:
 
 * ``config``: ``cpgbroker.toml`` and its ``[tls]`` section.
+* ``ring``: CPG and votequorum under trio, the ring gate, the multicaster.
 * ``mgmt``: the management API, metrics, the dashboard, HTTP serving.
 * ``admin``: the admin endpoint, its secret, the admin desk, the command line's client.
 * ``update``: the state update's giving and taking sides and the transfer.

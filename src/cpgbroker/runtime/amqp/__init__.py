@@ -7,9 +7,9 @@ confirm gate and member-local clients.
 * ``confirms``: :class:`ConfirmGate`, local clients' output held until its event is stable.
 * ``localbroker``: :class:`LocalBroker`, member-local listeners served by a standalone broker.
 
-It offers the member, the replication modes and the process a node that reads clients and
-writes what the model answers. It knows nothing of the member: it is given a sequencer and a
-confirm gate. It uses the configuration (``runtime.config``) and the admin desk
+It offers the member, the replication modes and the process an :class:`AmqpServer` that reads
+clients and writes what the model answers. It knows nothing of the member: it is given a sequencer
+and a confirm gate. It uses the configuration (``runtime.config``) and the admin desk
 (``runtime.admin.admindesk``) that operators' changes wait on.
 """
 

@@ -9,9 +9,9 @@
 * ``tls``: :class:`~.tls.TlsConfig`, the amqps server context and the user a client
   certificate names.
 
-The bottom wing of the runtime: it imports no other wing, and every wing that reads the
-configuration (the clients' side, the state update, the admin plane, the process, and the
-deployment files' writer outside the runtime) imports it.
+A bottom wing of the runtime (beside mgmt and ring): it imports no other wing, and every wing
+that reads the configuration (the clients' side, federation, the state update, the admin plane,
+the member, the process, and the deployment files' writer outside the runtime) imports it.
 """
 
 from cpgbroker.runtime.config.settings import ClusterConfig, ServerConfig, load

@@ -5,8 +5,9 @@
 * ``client``: :class:`AmqpClient`, an AMQP 0-9-1 client over trio, over ``protocol``: its
   sans-IO :class:`~.protocol.ClientProtocol`.
 
-The member builds the links and hands them what they need; federation never imports the
-member nor the clients' side. It uses the admin desk, the configuration's TLS and the model.
+The process wing's builder builds the links and hands them to the member, which runs them;
+federation never imports the member nor the clients' side. It uses the admin desk, the
+configuration's TLS and the model.
 """
 
 from cpgbroker.runtime.federation.client import AmqpClient

@@ -8,7 +8,8 @@
 * ``shipping``: :class:`Shipping`, hot standby shipping changes (``replication = "changes"``):
   the primary's serving broker and its batches.
 
-The member builds and calls these; they use the clients' side (``runtime.amqp``), the admin
+The process wing's builder (``runtime/process/assembly.py``) builds these and the member
+calls them; they use the clients' side (``runtime.amqp``), the admin
 desk and the state update's giving side, and never the member.
 """
 

@@ -6,8 +6,9 @@
 * ``transfer``: the transfer itself over a side TCP connection (fork, frames, progress,
   receive), used by both sides.
 
-The member builds both sides (the process keeps the giving side's children across
-incarnations; hot standby's shipping uses the giving side too); the wing uses only the
+The process wing's builder builds both sides and the member drives them (the process keeps the
+giving side's children across incarnations; hot standby's shipping uses the giving side too); the
+wing uses only the
 configuration (``runtime.config``) and the pure packages.
 """
 
