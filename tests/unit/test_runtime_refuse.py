@@ -64,3 +64,50 @@ async def test_a_refused_client_that_never_closes_is_dropped_after_the_linger() 
     got, took = await refused(client_closes=False)
     assert b"member is resynchronising" in got
     assert server.CLOSE_LINGER <= took < server.CLOSE_LINGER + 1
+
+
+class _Quorum:
+    quorate = True
+
+
+class _StoppedMember:
+    """What the process reads of a member a stop request stopped at event 7 (it still waits
+    for its last confirms before it leaves)."""
+
+    serving = True
+    halted = 7
+
+    def stop_text(self) -> str:
+        return "cluster shutdown"
+
+
+async def test_a_client_arriving_while_a_stopped_member_lets_its_clients_go_is_turned_away() -> (
+    None
+):
+    from cpgbroker.runtime.config.settings import ClusterConfig, ServerConfig
+    from cpgbroker.runtime.process.process import MemberProcess
+
+    config = ServerConfig(cluster=ClusterConfig(group="g", size=3))
+    process = MemberProcess(config, _Quorum())  # type: ignore[arg-type]
+    process.node = object()  # type: ignore[assignment]
+    process.member = _StoppedMember()  # type: ignore[assignment]
+    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listener.socket.getsockname()[1]
+    got = b""
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+
+            async def serve() -> None:
+                await process.handle_client(await listener.accept())
+
+            nursery.start_soon(serve)
+            client = await trio.open_tcp_stream("127.0.0.1", port)
+            await client.send_all(PROTOCOL_HEADER)
+            while data := await client.receive_some(65536):
+                got += data
+            await client.aclose()
+    await listener.aclose()
+    _n, _ch, close = frame.unmarshal(got[got.index(b"\x01\x00\x00") :])
+    assert isinstance(close, commands.Connection.Close)
+    assert close.reply_code == 320 and close.reply_text == "CONNECTION_FORCED - cluster shutdown"
+    assert process.refused == 1

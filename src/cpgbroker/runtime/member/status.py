@@ -111,6 +111,11 @@ class MemberStatus:
             return None
         return node.view
 
+    def stop_text(self) -> str:
+        """What a client reads once a stop request stopped this member (connection.close
+        320): a member stop names the others, a cluster stop does not."""
+        return self._node.stops.close_text()
+
     def client_refusal(self, cfg: BrokerConfig) -> tuple[str, bytes] | None:
         """None when this member takes clients; else what a turned-away client reads: the
         reason, after a connection.start naming the primary (a hot-standby backup)."""

@@ -283,6 +283,13 @@ class MemberProcess:
             self.refused += 1
             await refuse(stream, NOT_QUORATE_TEXT if not self.quorum.quorate else RESYNC_TEXT)
             return
+        if member.halted is not None:
+            # A stop request stopped this member: its clients are being let go (it may still
+            # wait a few seconds for their last confirms), and a new one is told so at once
+            # rather than served by a member that applies nothing more.
+            self.refused += 1
+            await refuse(stream, member.stop_text())
+            return
         refusal = member.client_refusal(self.config.broker)
         if refusal is not None:
             # A hot-standby backup: the client is told where the primary is.
