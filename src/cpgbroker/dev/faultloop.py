@@ -771,7 +771,7 @@ class FaultLoop:
             out["repair_error"] = str(e)
         out["brokers_restarted"] = self.restart_dead_brokers()
         try:
-            self.bs.wait_ready(self.nodes, timeout=self.opt.ready_timeout_s)
+            self.wait_ready()
             out["all_ready"] = True
         except DevClusterError as e:
             # A broker that exited while catching up gets one more start; after that it
@@ -782,12 +782,16 @@ class FaultLoop:
             out["ready_error"] = str(e)[-2000:]
             if again:
                 try:
-                    self.bs.wait_ready(self.nodes, timeout=self.opt.ready_timeout_s)
+                    self.wait_ready()
                     out["all_ready"] = True
                     del out["ready_error"]
                 except DevClusterError as e2:
                     out["ready_error"] = str(e2)[-2000:]
         return out
+
+    def wait_ready(self) -> None:
+        """Until every broker serves (DevClusterError after ``ready_timeout_s``)."""
+        self.bs.wait_ready(self.nodes, timeout=self.opt.ready_timeout_s)
 
     def _all_confirmed_received(self) -> bool:
         return all(

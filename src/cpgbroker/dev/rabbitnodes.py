@@ -471,21 +471,8 @@ class RabbitFaultLoop(FaultLoop):
                 if self.rabbit.alive(n) and self.rabbit.stopped(n):
                     self.rabbit.resume(n)
 
-    def repair(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        self.unfreeze()
-        try:
-            self.dc.repair(timeout=self.opt.repair_timeout_s)
-        except DevClusterError as e:
-            out["repair_error"] = str(e)
-        out["brokers_restarted"] = self.restart_dead_brokers()
-        try:
-            self.rabbit.wait_ready(self.nodes, timeout=self.opt.ready_timeout_s)
-            out["all_ready"] = True
-        except DevClusterError as e:
-            out["all_ready"] = False
-            out["ready_error"] = str(e)[-2000:]
-        return out
+    def wait_ready(self) -> None:
+        self.rabbit.wait_ready(self.nodes, timeout=self.opt.ready_timeout_s)
 
     def final_state(self) -> tuple[str | None, str | None, dict[str, Any]]:
         info = self.rabbit.queue_info(self.queue) or {}
