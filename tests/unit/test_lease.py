@@ -1,5 +1,6 @@
 """The hot-standby primary's lease (runtime/member/lease.py): its length from corosync's timeouts,
-renewal by our own messages coming back, the lapse, and the end of a lapse."""
+renewal by our own messages coming back, the lapse before the others can promote, a membership
+change that ends a lapse, and giving up when none comes."""
 
 from __future__ import annotations
 
@@ -11,18 +12,21 @@ import trio.testing
 
 from cpgbroker.corosync import cmap
 from cpgbroker.runtime.member import lease as lease_module
-from cpgbroker.runtime.member.lease import FORMATION_MARGIN, PrimaryLease, lease_length
+from cpgbroker.runtime.member.lease import DOUBT_POLL, PrimaryLease, lease_length, verdict_wait
 
 
-def test_the_lease_outlasts_the_time_the_others_take_to_promote() -> None:
+def test_the_lease_lapses_before_the_others_can_promote() -> None:
     # corosync's defaults for a 3-node cluster configured with token 1000 ms.
     t = cmap.TotemTimeouts(token_ms=1000, consensus_ms=1200)
+    detection = 2.2  # the others promote no sooner than this after the ring stopped
     length = lease_length(t)
-    assert length == pytest.approx(2.2 * (1 + FORMATION_MARGIN))
-    # Long enough that a ring stalled by a backup's loss (token + consensus) never costs the
-    # primary its clients; short enough that a cut-off primary closes them within about one
-    # failure detection more.
-    assert 2.2 < length < 2 * 2.2
+    assert length == pytest.approx(1.76)
+    # Noticed at most one poll late (in doubt by then), the lapse still comes before anyone
+    # else can be promoted, with a margin for the close to reach the clients.
+    assert length + DOUBT_POLL < detection - 0.3
+    # A lapsed primary waits for the membership's verdict until well after the ring change a
+    # backup's death brings (detection time, then the new ring's formation).
+    assert length + verdict_wait(t) == pytest.approx(2 * detection)
 
 
 def test_our_messages_coming_back_renew_it_and_silence_lapses_it() -> None:
@@ -42,12 +46,12 @@ def test_our_messages_coming_back_renew_it_and_silence_lapses_it() -> None:
     assert not lease.check(200.0), "a lapse is reported once"
 
 
-async def test_the_watcher_heartbeats_and_lapses_once(
+async def test_the_watcher_heartbeats_lapses_once_and_gives_up_without_a_verdict(
     monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
 ) -> None:
     """The task a primary runs: heartbeats while it holds the lease, the lapse once our
-    messages stop coming back (the member then stops serving: the task ends). On trio's
-    virtual clock."""
+    messages stop coming back, then, with no membership change to renew it, giving up once
+    (the member then stops serving: the task ends). On trio's virtual clock."""
     monkeypatch.setattr(
         lease_module.cmap, "totem_timeouts", lambda netns: cmap.TotemTimeouts(1000, 1200)
     )
@@ -62,6 +66,7 @@ async def test_the_watcher_heartbeats_and_lapses_once(
     holding, ring_works = [True], [True]
     beats: list[float] = []
     lapses: list[float] = []
+    gave_up: list[float] = []
 
     def heartbeat() -> None:
         beats.append(trio.current_time())
@@ -72,42 +77,53 @@ async def test_the_watcher_heartbeats_and_lapses_once(
         lapses.append(trio.current_time())
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(lease.run, lambda: holding[0], heartbeat, on_lapse, None)
+        nursery.start_soon(
+            lease.run,
+            lambda: holding[0],
+            heartbeat,
+            on_lapse,
+            None,
+            lambda doubting: None,
+            lambda: gave_up.append(trio.current_time()),
+        )
         lease.grant(trio.current_time())
         await trio.sleep(30)
         assert not lapses
-        assert lease.length == pytest.approx(2.75)
+        assert lease.length == pytest.approx(1.76)
         # One heartbeat per eighth of the lease.
-        assert len(beats) == pytest.approx(30 / (2.75 / 8), abs=2)
+        assert len(beats) == pytest.approx(30 / (1.76 / 8), abs=2)
         ring_works[0] = False  # our messages stop coming back
         stopped = trio.current_time()
-        await trio.sleep(5)
+        await trio.sleep(10)
         assert len(lapses) == 1 and lease.lapsed
-        assert lease.length <= lapses[0] - (sent[0] or 0) <= lease.length + 2.75 / 8
-        assert lapses[0] - stopped <= lease.length
-        beats_at_lapse = len(beats)
+        last = sent[0] or 0
+        assert lease.length <= lapses[0] - last <= lease.length + DOUBT_POLL + 0.01
+        assert lapses[0] - stopped < 2.2, "before the others can promote"
+        assert len(gave_up) == 1
+        assert gave_up[0] - last == pytest.approx(2 * 2.2, abs=DOUBT_POLL + 0.01)
+        beats_then = len(beats)
         await trio.sleep(5)
-        assert len(lapses) == 1 and len(beats) == beats_at_lapse, "the task ends at the lapse"
+        assert len(beats) == beats_then and len(gave_up) == 1, "the task ends after giving up"
         nursery.cancel_scope.cancel()
 
 
-def test_the_doubt_comes_before_the_others_can_promote_and_the_lapse_after() -> None:
+def test_the_doubt_comes_before_the_lapse_and_both_before_the_others_can_promote() -> None:
     t = cmap.TotemTimeouts(token_ms=1000, consensus_ms=1200)
-    detection = 2.2  # the others promote no sooner than this after the ring stopped
+    detection = 2.2
     assert lease_module.doubt_length(t) == pytest.approx(detection * lease_module.DOUBT)
     # Even when our latest message that came back was sent a heartbeat before the ring
-    # stopped, and the doubt is noticed a heartbeat late, output pauses before a promotion.
+    # stopped, and the doubt is noticed a heartbeat late, output pauses before the lapse.
     heartbeat = lease_length(t) / lease_module.HEARTBEATS
-    assert lease_module.doubt_length(t) + heartbeat < detection
-    assert lease_length(t) > detection
+    assert lease_module.doubt_length(t) + heartbeat < lease_length(t) < detection
 
 
-async def test_the_watcher_pauses_output_in_doubt_and_resumes_when_the_ring_carries_on(
+async def test_a_stall_shorter_than_the_lease_pauses_and_a_membership_change_ends_a_lapse(
     monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
 ) -> None:
-    """A ring stalled for less than the lease (a backup's loss): output pauses once in doubt
-    and resumes as soon as our messages come back, without a lapse. A ring that never comes
-    back: the doubt, then the lapse."""
+    """A ring stalled for less than the lease: output pauses once in doubt and resumes as
+    soon as our messages come back, without a lapse. A longer stall (a backup's loss, about
+    2.2 s): the lapse, then the membership change that keeps us primary renews the lease
+    (``grant``) and the task goes on, heartbeats and all, without giving up."""
     monkeypatch.setattr(
         lease_module.cmap, "totem_timeouts", lambda netns: cmap.TotemTimeouts(1000, 1200)
     )
@@ -122,6 +138,7 @@ async def test_the_watcher_pauses_output_in_doubt_and_resumes_when_the_ring_carr
     ring_works = [True]
     doubts: list[tuple[float, bool]] = []
     lapses: list[float] = []
+    gave_up: list[float] = []
 
     def heartbeat() -> None:
         if ring_works[0]:
@@ -135,26 +152,32 @@ async def test_the_watcher_pauses_output_in_doubt_and_resumes_when_the_ring_carr
             lambda: lapses.append(trio.current_time()),
             None,
             lambda d: doubts.append((trio.current_time(), d)),
+            lambda: gave_up.append(trio.current_time()),
         )
         lease.grant(trio.current_time())
         await trio.sleep(10)
         assert not doubts, "no doubt while the ring carries our heartbeats"
         ring_works[0] = False
         stopped = trio.current_time()
-        await trio.sleep(1.8)  # a backup's loss stalls the ring for about 2.2 s
+        await trio.sleep(1.5)  # a short stall
         ring_works[0] = True
         sent[0] = trio.current_time()  # ... and the ring carries our messages again
         await trio.sleep(0.2)
         assert [d for _t, d in doubts] == [True, False]
         paused_at, resumed_at = doubts[0][0], doubts[1][0]
-        assert stopped + lease.doubt_length - 0.35 <= paused_at < stopped + 2.2
-        assert resumed_at - (stopped + 1.8) <= lease_module.DOUBT_POLL + 0.01
+        assert stopped + lease.doubt_length - 0.25 <= paused_at < stopped + lease.length
+        assert resumed_at - (stopped + 1.5) <= DOUBT_POLL + 0.01
         assert not lapses and lease.doubts == 1
-        # Now the ring stops for good: in doubt before the others could promote, lapsed after.
+        # A backup dies: the ring stalls until the others re-form it without it.
         await trio.sleep(5)
         ring_works[0] = False
         stopped = trio.current_time()
-        await trio.sleep(5)
-        assert doubts[2][1] is True and doubts[2][0] - stopped < 2.2
-        assert len(lapses) == 1 and lapses[0] - stopped > 2.2
+        await trio.sleep(2.3)
+        assert len(lapses) == 1 and lapses[0] - stopped < 2.2
+        ring_works[0] = True
+        lease.grant(trio.current_time())  # the membership change keeps us primary
+        await trio.sleep(0.2)
+        assert not lease.lapsed and doubts[-1][1] is False
+        await trio.sleep(10)
+        assert not gave_up and len(lapses) == 1, "renewed: no giving up, no second lapse"
         nursery.cancel_scope.cancel()

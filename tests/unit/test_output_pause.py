@@ -67,7 +67,10 @@ async def test_a_forced_close_after_a_pause_drops_what_was_kept() -> None:
         node.pause_output()
         await trio.to_thread.run_sync(declare, c, "q1")
         await trio.sleep(0.2)  # the model answered; the answer is kept
-        node.force_close("this member is no longer primary", "lapsed")
+        conns = list(node.local)
+        # The clients it closed that the model had not seen go: the caller tells the model.
+        assert node.force_close("this member is no longer primary", "lapsed") == conns
+        assert node.force_close("again", "lapsed") == [], "told once"
         got = await trio.to_thread.run_sync(frames_until_close, c)
         assert [type(f) for f in got] == [commands.Connection.Close], got
         assert got[0].reply_code == 320 and "no longer primary" in got[0].reply_text

@@ -469,12 +469,14 @@ class AmqpServer:
         assert self.standalone is not None, "a cluster member's status is the member's"
         return model_status(self.standalone.broker, len(self.local), with_digest)
 
-    def force_close(self, client_text: str, reason: str) -> None:
+    def force_close(self, client_text: str, reason: str) -> list[int]:
         """connection.close 320 to every local client after the output already queued for it
-        (whole frames), without the model: the member no longer applies events. Output held
-        for stability is dropped."""
+        (whole frames), without the model: nothing of theirs is submitted any more (the
+        member no longer applies events, or tells the model itself). Output held for
+        stability is dropped. The clients the model had not yet seen go, in order."""
         frame = forced_close_frame(client_text)
         paused, self.output_paused = self.output_paused, False
+        told = [lc.id for lc in self.local.values() if not lc.model_closed]
         for lc in self.local.values():
             lc.held.clear()
             if paused:
@@ -486,6 +488,7 @@ class AmqpServer:
             lc.model_closed = True
             lc.close_reason = lc.close_reason or reason
             lc.wake.set()
+        return told
 
     def pause_output(self) -> None:
         """Write nothing to any client from now on (what the model produces is kept, in

@@ -1,5 +1,5 @@
-"""A hot-standby primary's lease (``replication = "changes"``): it gives its clients up once the
-others may have promoted another primary.
+"""A hot-standby primary's lease (``replication = "changes"``): it gives its clients up before the
+others can have promoted another primary.
 
 Theory of operation
 -------------------
@@ -23,37 +23,48 @@ away) from ever contradicting the one promoted after it:
 **How long.** The others declare a silent member lost no sooner than the token timeout after
 the last token it passed, plus the consensus timeout to agree on the new ring (corosync's
 ``runtime.config.totem`` keys, read at start: :func:`cpgbroker.corosync.cmap.totem_timeouts`);
-they promote only then. The lease is that time plus :data:`FORMATION_MARGIN` of it again,
-because a member lost on the *other* side (a backup's node) stalls the ring for as long, and a
-primary that kept its lease through that stall must not give its clients up for nothing. So a
-cut-off primary's clients are closed shortly after the new primary serves (they find it on
-their first reconnect), and a primary never closes its clients for a backup's death. Delivery
-safety never depended on this length.
+they promote only then. That *detection time* is measured from no earlier than the send time
+of our latest message that came back (for it to come back, the token passed every member after
+we sent it). The lease is :data:`LAPSE` of it: a cut-off primary lets its clients go before
+anyone else can serve them. A backup's death stalls the ring just as long, and the primary
+cannot tell the two apart until the ring re-forms; so a lapse only *holds* the primary (below),
+and the membership change that follows says which it was.
 
-**In doubt.** A lapse comes after the others may have promoted another primary; until then a
-cut-off primary would still write to its clients. So once no message of ours came back for
-:data:`DOUBT` of the others' detection time (less than it: they cannot have promoted anyone
-yet), the primary writes nothing more to any client (``AmqpServer.pause_output``): not a
-delivery, not a confirm, not an answer. What its broker produces meanwhile is kept in order. As
-soon as a message of ours comes back through the ring again (a backup's death stalls the ring
-for about the detection time, then the ring carries on without it), the doubt ends and the kept
-output goes out; if the lease lapses instead, the clients are closed and the kept output is
-dropped, so nothing the old primary produced after the doubt began ever reaches a client. The
-doubt starts :data:`DOUBT` of the detection time after the send time of our latest message
-that came back, which is no later than the moment the ring stopped (a heartbeat goes out every
-:data:`HEARTBEATS` th of the lease), and the others promote no sooner than the detection time
-after that moment: the margin between the two is what the fault tests measure.
+**In doubt.** Earlier still, once no message of ours came back for :data:`DOUBT` of the
+detection time, the primary writes nothing more to any client (``AmqpServer.pause_output``):
+not a delivery, not a confirm, not an answer. What its broker produces meanwhile is kept in
+order. As soon as a message of ours comes back through the ring again, the doubt ends and the
+kept output goes out; if the lease lapses instead, the kept output is dropped with the clients,
+so nothing the old primary produced after the doubt began ever reaches a client. While in doubt
+the lease is looked at every :data:`DOUBT_POLL` seconds, else every :data:`HEARTBEATS` th of
+it: the doubt is noticed at most that late, the lapse at most :data:`DOUBT_POLL` late, and
+both still come before the detection time (``tests/unit/test_lease.py``; the fault tests
+measure the margin on real corosync).
 
-**After a lapse** the member stops serving for this incarnation, as a member that lost quorum
-does (``ClusterNode.suspend``): it closes its clients with 320 naming the reason, drops what
-waits for stability, leaves the group and joins again as a newcomer once its corosync answers.
-It so comes back a backup, after a state update, whatever happened meanwhile: never again
-primary on the strength of its own messages coming back, which a corosync resumed after a
-freeze delivers before it reports that the others moved on without it (a lapsed primary that
-served again then would be a second primary until that report came).
+**At the lapse** the primary closes its clients with 320 naming the reason
+(``runtime/replication/standby.py`` ``LAPSED``),
+dropping what it kept and what waited for stability, and its serving broker is told they are
+gone (their unacked messages go back to their queues, to be redelivered flagged); a client that
+connects meanwhile is turned away the same way. It stays primary for now, and waits for the
+ring's verdict:
+
+* a membership change that keeps this member primary (it passed the quorum gate and was no lost
+  merge, ``ClusterNode.deliver_loop``; a backup left) renews the lease: the ring works again
+  and no one else can have been promoted, since they promote only by a membership change that
+  removes us. It takes clients again (``hot-standby lease renewed``), about as soon as a member
+  of an active-active cluster would serve again after the same stall;
+* a ring change that leaves it inquorate, or a merge lost, stops it as a lost quorum does;
+* nothing decisive within :data:`VERDICT` of the detection time after the ring stopped (its
+  corosync frozen, or a ring re-formed with the same members, which renews nothing): it stops
+  serving for this incarnation (``ClusterNode.lease_lapsed``, ``ClusterNode.suspend``), leaves
+  the group and joins again as a newcomer once its corosync answers. It so comes back a backup,
+  after a state update, whatever happened meanwhile: never again primary on the strength of its
+  own messages coming back, which a corosync resumed after a freeze delivers before it reports
+  that the others moved on without it.
 
 Owns: the lease's length, its last grant and whether it lapsed. Never closes a client itself:
-the member does (``ClusterNode._lease_lapsed``).
+the replication mode does at the lapse (``ShippingChanges``), the member when it gives up
+(``ClusterNode.lease_lapsed``).
 """
 
 from __future__ import annotations
@@ -71,9 +82,13 @@ log = logging.getLogger("cpgbroker.standby")
 # Heartbeats per lease: an idle primary multicasts one every length / HEARTBEATS seconds, and
 # the lease is looked at as often.
 HEARTBEATS = 8
-# The lease is the others' detection time (token + consensus) and this much of it again (see
-# the module docstring, "How long").
-FORMATION_MARGIN = 0.25
+# The lease is this much of the others' detection time (token + consensus; module docstring,
+# "How long").
+LAPSE = 0.8
+# After a lapse, a membership verdict is awaited until this much of the detection time after
+# the ring stopped (module docstring, "At the lapse"): a backup's death is decided within about
+# one detection time.
+VERDICT = 2.0
 # A primary's output pauses once no message of ours came back for this much of the others'
 # detection time (module docstring, "In doubt"); while in doubt, the lease is looked at every
 # DOUBT_POLL seconds, so that output resumes promptly once the ring carries our messages again.
@@ -83,23 +98,24 @@ DOUBT_POLL = 0.05
 DEFAULT_TIMEOUTS = cmap.TotemTimeouts(cmap.DEFAULT_TOKEN_MS, cmap.DEFAULT_TOKEN_MS * 6 // 5)
 
 
-# What a client of a primary whose lease lapsed reads (connection.close 320), and one that
-# connects to it meanwhile.
-LAPSED = (
-    "hot standby: this member lost contact with the cluster and is no longer primary; "
-    "reconnect to another member"
-)
+def detection_time(timeouts: cmap.TotemTimeouts) -> float:
+    """Seconds the others take at least to declare a silent member lost (module docstring)."""
+    return (timeouts.token_ms + timeouts.consensus_ms) / 1000
 
 
 def lease_length(timeouts: cmap.TotemTimeouts) -> float:
     """Seconds a primary keeps its clients without hearing the ring (module docstring)."""
-    detection = (timeouts.token_ms + timeouts.consensus_ms) / 1000
-    return detection * (1 + FORMATION_MARGIN)
+    return detection_time(timeouts) * LAPSE
 
 
 def doubt_length(timeouts: cmap.TotemTimeouts) -> float:
     """Seconds without hearing the ring after which a primary's output pauses."""
-    return (timeouts.token_ms + timeouts.consensus_ms) / 1000 * DOUBT
+    return detection_time(timeouts) * DOUBT
+
+
+def verdict_wait(timeouts: cmap.TotemTimeouts) -> float:
+    """Seconds after a lapse that a lapsed primary waits for the membership's verdict."""
+    return detection_time(timeouts) * (VERDICT - LAPSE)
 
 
 class PrimaryLease:
@@ -108,6 +124,7 @@ class PrimaryLease:
         self._last_own_sent = last_own_sent
         self.length = lease_length(DEFAULT_TIMEOUTS)
         self.doubt_length = doubt_length(DEFAULT_TIMEOUTS)
+        self.verdict_wait = verdict_wait(DEFAULT_TIMEOUTS)
         # Whether output is paused for doubt now, and how often it was.
         self.doubting = False
         self.doubts = 0
@@ -124,19 +141,22 @@ class PrimaryLease:
     def configure(self, timeouts: cmap.TotemTimeouts) -> None:
         self.length = lease_length(timeouts)
         self.doubt_length = doubt_length(timeouts)
+        self.verdict_wait = verdict_wait(timeouts)
         log.info(
-            "hot-standby lease %.2f s, output paused after %.2f s in doubt "
-            "(corosync token %d ms, consensus %d ms)",
+            "hot-standby lease %.2f s, output paused after %.2f s in doubt, a membership "
+            "verdict awaited %.2f s after a lapse (corosync token %d ms, consensus %d ms)",
             self.length,
             self.doubt_length,
+            self.verdict_wait,
             timeouts.token_ms,
             timeouts.consensus_ms,
         )
 
     def grant(self, now: float) -> None:
-        """The ring works as of ``now`` (this member was just promoted by a membership change
-        it delivered)."""
+        """The ring works as of ``now``: this member was just promoted by a membership change
+        it delivered, or one kept it primary (which ends a lapse)."""
         self._granted_at = now
+        self.lapsed_at = None
 
     def _renewed_at(self) -> float:
         sent = self._last_own_sent()
@@ -165,19 +185,21 @@ class PrimaryLease:
         on_lapse: Callable[[], None],
         netns: str | None,
         on_doubt: Callable[[bool], None] = lambda doubting: None,
+        on_no_verdict: Callable[[], None] = lambda: None,
     ) -> None:
         """For ever: while this member holds the lease (``holding``: it serves as primary),
         send heartbeats; call ``on_doubt(True)`` when the lease comes in doubt and
-        ``on_doubt(False)`` when the ring carries our messages again, and ``on_lapse`` once
-        when it lapses."""
+        ``on_doubt(False)`` when the ring carries our messages again, and ``on_lapse`` when it
+        lapses. After a lapse, wait for a membership change to :meth:`grant` it again (then
+        go on) or for :attr:`verdict_wait` to pass: then ``on_no_verdict`` and the task ends."""
         try:
             self.configure(await trio.to_thread.run_sync(cmap.totem_timeouts, netns))
         except Exception as e:  # a corosync without the keys: its defaults, said once
             log.warning("corosync timeouts unreadable (%s): lease of %.2f s", e, self.length)
         last = next_beat = time.monotonic()
-        while self.lapsed_at is None:
+        while True:
             every = self.length / HEARTBEATS
-            await trio.sleep(DOUBT_POLL if self.doubting else every)
+            await trio.sleep(DOUBT_POLL if self.doubting or self.lapsed else every)
             now = time.monotonic()
             # This process did not run for a while (a long promotion, a stalled host): what
             # corosync delivered meanwhile is not read yet. Look again after the delivery loop
@@ -188,6 +210,12 @@ class PrimaryLease:
                 if self.doubting:  # no longer primary: the member closed its clients
                     self.doubting = False
                     on_doubt(False)
+                continue
+            lapsed_at = self.lapsed_at
+            if lapsed_at is not None:
+                if now >= lapsed_at + self.verdict_wait:
+                    on_no_verdict()
+                    return
                 continue
             if now >= next_beat:
                 heartbeat()

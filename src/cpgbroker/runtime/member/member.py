@@ -88,12 +88,12 @@ from cpgbroker.runtime.config.settings import ServerConfig
 from cpgbroker.runtime.member.applying import Applier
 from cpgbroker.runtime.member.checkpoints import Checkpointer
 from cpgbroker.runtime.member.errorcheck_rounds import ErrorChecks
-from cpgbroker.runtime.member.lease import LAPSED
 from cpgbroker.runtime.member.parts import Parts
 from cpgbroker.runtime.member.roster import Roster
 from cpgbroker.runtime.member.stops import STOP_SETTLE
 from cpgbroker.runtime.member.stream import admin_settled, version_verdict
 from cpgbroker.runtime.member.watchdog import ApplyMark
+from cpgbroker.runtime.replication.standby import LAPSED
 from cpgbroker.runtime.ring.quorum_trio import TrioQuorum
 from cpgbroker.runtime.ring.ringgate import VERDICT_TIMEOUT, RingGate
 from cpgbroker.runtime.update.giving import DeferredUpdate
@@ -297,15 +297,15 @@ class ClusterNode:
             self.io.resume_output()
 
     def lease_lapsed(self, length: float) -> None:
-        """No message of ours came back through the ring for the lease's ``length``: another
-        member may be primary by now. Stop serving before a client can tell two apart, and
-        come back as a backup (runtime/member/lease.py, "After a lapse")."""
+        """The lease lapsed and no membership change kept this member primary within
+        ``length`` of the ring stopping: another member may be primary by now. Stop serving
+        and come back as a backup (runtime/member/lease.py, "At the lapse")."""
         log.error(
-            "hot-standby lease lapsed: no message of ours came back through the ring for "
-            "%.2f s, another member may be primary by now: closing this member's clients",
+            "hot-standby lease lapsed and no membership change kept this member primary within "
+            "%.2f s: leaving the cluster to come back as a backup",
             length,
         )
-        self.suspend(f"hot-standby lease lapsed after {length:.2f} s", LAPSED)
+        self.suspend(f"hot-standby lease lapsed {length:.2f} s ago", LAPSED)
 
     @property
     def serving(self) -> bool:

@@ -146,6 +146,9 @@ class Roster:
             self._checkpoints.members_changed(membership.ready_members)
             self._errorchecks.members_left(left)
         self.check_role()
+        if not self._service.stopped:
+            # (After the quorum gate: a ring change reaches here only once known quorate.)
+            self._replication.membership_changed(self._primary_here)
 
     def check_role(self) -> None:
         """The replication mode may change roles here (shipping changes: become primary when

@@ -20,19 +20,22 @@ those once they exist: the one cycle that construction cannot break.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from cpgbroker.cluster.membership import Membership
 from cpgbroker.model import RAISE_MODEL_VERSION, Broker
-from cpgbroker.model.events import AdminCommand, Event
+from cpgbroker.model.events import AdminCommand, ClientDisconnected, Event
 from cpgbroker.runtime.admin.admindesk import AdminDesk
 from cpgbroker.runtime.amqp.confirms import ConfirmGate
 from cpgbroker.runtime.amqp.server import AmqpServer, Sequencer
 from cpgbroker.runtime.replication.shipping import Shipping
-from cpgbroker.runtime.replication.standby import HotStandby
+from cpgbroker.runtime.replication.standby import LAPSED, HotStandby
 from cpgbroker.runtime.update.giving import Updater
+
+log = logging.getLogger("cpgbroker.standby")
 
 Task = Callable[[], Awaitable[None]]
 
@@ -42,6 +45,10 @@ class Lease(Protocol):
 
     length: float
     doubt_length: float
+    verdict_wait: float
+
+    @property
+    def lapsed(self) -> bool: ...
 
     def grant(self, now: float) -> None: ...
 
@@ -49,9 +56,10 @@ class Lease(Protocol):
         self,
         holding: Callable[[], bool],
         heartbeat: Callable[[], None],
-        lapsed: Callable[[], None],
+        on_lapse: Callable[[], None],
         netns: str | None,
         on_doubt: Callable[[bool], None] = ...,
+        on_no_verdict: Callable[[], None] = ...,
     ) -> None: ...
 
 
@@ -116,6 +124,8 @@ class Replication(Protocol):
     def unsettled(self) -> bool: ...
 
     def check_role(self, mine: Callable[[], bool], stream: Broker) -> None: ...
+
+    def membership_changed(self, mine: Callable[[], bool]) -> None: ...
 
     def fork_update(
         self, updater: Updater, request: Any, members: list[list[Any]], stream: Broker
@@ -191,6 +201,9 @@ class ReplayingBytes:
     def check_role(self, mine: Callable[[], bool], stream: Broker) -> None:
         """Who takes clients changes nothing of how they are served."""
 
+    def membership_changed(self, mine: Callable[[], bool]) -> None:
+        """No lease to renew."""
+
     def fork_update(
         self, updater: Updater, request: Any, members: list[list[Any]], stream: Broker
     ) -> None:
@@ -259,12 +272,46 @@ class ShippingChanges:
 
     async def _hold_lease(self) -> None:
         """The primary keeps its clients while the ring carries its messages."""
-        await self._lease.run(
+        lease = self._lease
+        await lease.run(
             lambda: self.shipping.active,
             self._heartbeat,
-            lambda: self._lapsed(self._lease.length),
+            self._let_clients_go,
             self._netns,
-            lambda doubting: self._doubt(doubting, self._lease.doubt_length),
+            lambda doubting: self._doubt(doubting, lease.doubt_length),
+            lambda: self._lapsed(lease.length + lease.verdict_wait),
+        )
+
+    def _let_clients_go(self) -> None:
+        """The lease lapsed: before anyone else can be promoted, close every client (320),
+        dropping what was kept for them, tell the serving broker they are gone (their unacked
+        messages go back to their queues) and turn new ones away until the membership decides
+        (runtime/member/lease.py, "At the lapse")."""
+        io, confirms = self._io, self._confirms
+        assert io is not None and confirms is not None
+        log.error(
+            "hot-standby lease lapsed: no message of ours came back through the ring for "
+            "%.2f s, the others may promote another member soon: closing this member's "
+            "clients until a membership change keeps it primary",
+            self._lease.length,
+        )
+        self._standby.held = LAPSED
+        confirms.drop()
+        reason = "hot-standby lease lapsed"
+        for conn in io.force_close(LAPSED, reason):
+            self.shipping.apply_now(ClientDisconnected(conn, reason))
+
+    def membership_changed(self, mine: Callable[[], bool]) -> None:
+        """A membership change was applied (it passed the quorum gate and was no merge lost):
+        if it keeps a lapsed primary primary, the ring works and nobody else was promoted, so
+        it takes clients again (runtime/member/lease.py, "At the lapse")."""
+        if not (self._lease.lapsed and self.shipping.active and mine()):
+            return
+        self._lease.grant(time.monotonic())
+        self._standby.held = None
+        log.warning(
+            "hot-standby lease renewed by a membership change that keeps this member primary: "
+            "taking clients again"
         )
 
     async def submit_admin(self, ev: Event) -> None:
@@ -324,8 +371,10 @@ class ShippingChanges:
         assert io is not None and self._confirms is not None
         if primary and not shipping.active:
             self._lease.grant(time.monotonic())
+            self._standby.held = None
             shipping.promote(stream, io.now_ms())
         elif not primary and shipping.active:
+            self._standby.held = None
             shipping.demote()
             self._confirms.drop()
             why = self._standby.refusal() or "this member is no longer the hot-standby primary"

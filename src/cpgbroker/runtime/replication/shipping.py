@@ -213,6 +213,13 @@ class Shipping:
     async def submit(self, ev: Event) -> None:
         """An event of this member's clients (or operators): applied now, shipped with the
         next batch (:meth:`run` cuts it once the events ready now are applied)."""
+        self.apply_now(ev)
+        while self._queued_bytes() > QUEUE_LIMIT and self.broker is not None:
+            await trio.sleep(QUEUE_RECHECK)
+
+    def apply_now(self, ev: Event) -> None:
+        """:meth:`submit` without waiting for the multicast queue to have room (the lease's
+        lapse tells the serving broker its clients are gone while the ring stands still)."""
         b = self.broker
         if b is None:
             return  # not primary (any more): its clients are being closed
@@ -224,8 +231,6 @@ class Shipping:
             changes.bytes >= CUT_BYTES or (self._lingering and self._awaited(changes))
         ):
             self._room.set()
-        while self._queued_bytes() > QUEUE_LIMIT and self.broker is not None:
-            await trio.sleep(QUEUE_RECHECK)
 
     async def run(self) -> None:
         """For ever: cut and multicast batches, and tick the serving broker."""

@@ -55,6 +55,14 @@ log = logging.getLogger("cpgbroker.standby")
 RECHECK = 0.2
 
 
+# What a client of a primary whose lease lapsed reads (connection.close 320), and one that
+# connects to it meanwhile (runtime/member/lease.py, "At the lapse").
+LAPSED = (
+    "hot standby: this member lost contact with the cluster and may no longer be primary; "
+    "reconnect to another member"
+)
+
+
 def primary_of(membership: Membership) -> MemberInfo | None:
     """The eldest ready member (module docstring), or None while no member is ready."""
     for info in membership.members.values():
@@ -74,9 +82,15 @@ class HotStandby:
         self._membership = membership
         self._serving = serving
         self.was_primary = False
+        # Why this member, primary, takes no clients for now (its lease lapsed), or None.
+        self.held: str | None = None
 
     def refusal(self) -> str | None:
         """None when this member takes clients; otherwise what a turned-away client reads."""
+        return self._not_primary() or self.held
+
+    def _not_primary(self) -> str | None:
+        """None when this member is primary; otherwise why it takes no clients."""
         primary = primary_of(self._membership())
         if primary is None:
             return "hot standby: no member is ready to be primary yet; try again soon"
@@ -116,7 +130,7 @@ class HotStandby:
             if not self._serving():
                 self.was_primary = False
                 continue
-            why = self.refusal()
+            why = self._not_primary()
             if self.was_primary and why is not None:
                 log.warning("no longer the hot-standby primary: closing this member's clients")
                 await close_all(int(ReplyCode.CONNECTION_FORCED), why)
