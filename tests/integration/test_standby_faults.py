@@ -13,9 +13,13 @@ hand out again (docs/operations.md, "Hot standby shipping changes").
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
+import pika
+import pika.exceptions
 import pytest
 
 from cpgbroker.dev.brokers import BrokerSet
@@ -126,3 +130,50 @@ def test_a_short_fault_loop_loses_nothing_and_flags_every_duplicate(
         if t > after
     ]
     assert not promoted, result["log_marks"]
+
+
+def test_a_backup_holds_a_client_while_the_ring_stands_still_and_serves_it_once_promoted(
+    cluster: DevCluster, broker_set: Callable[..., BrokerSet]
+) -> None:
+    """The primary's corosync frozen: a client connecting to either backup between the
+    primary's doubt and the promotion is held rather than turned away (neither is primary yet),
+    then served by the one promoted, and told where the new primary is by the other
+    (runtime/replication/standby.py, "Holding clients")."""
+    bs = broker_set(cluster_options=STANDBY_CHANGES)
+    nodes = [n.nodeid for n in cluster.nodes]
+    statuses = {n: bs.status(n) for n in nodes}
+    (primary,) = [n for n, s in statuses.items() if s is not None and s["role"] == "primary"]
+    backups = [n for n in nodes if n != primary]
+    outcome: dict[int, tuple[str, float, str]] = {}
+
+    def connect(node: int, started: float) -> None:
+        params = pika.URLParameters(bs.url(node))
+        params.socket_timeout = 10
+        params.connection_attempts = 1
+        try:
+            conn = pika.BlockingConnection(params)
+        except pika.exceptions.AMQPError as e:
+            outcome[node] = ("turned away", time.monotonic() - started, repr(e))
+            return
+        outcome[node] = ("served", time.monotonic() - started, "")
+        conn.close()
+
+    cluster.stop(primary)
+    try:
+        time.sleep(1.6)  # past the primary's doubt (1.32 s), before any promotion (2.2 s)
+        started = time.monotonic()
+        threads = [threading.Thread(target=connect, args=(n, started)) for n in backups]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        cluster.resume(primary)
+    served = [n for n in backups if outcome.get(n, ("",))[0] == "served"]
+    assert len(served) == 1, outcome
+    status = bs.status(served[0])
+    assert status is not None and status["role"] == "primary", status
+    (other,) = [n for n in backups if n not in served]
+    assert outcome[other][0] == "turned away", outcome
+    # Held until the promotion, not turned away and retried: served within a second of it.
+    assert outcome[served[0]][1] < 3.0, outcome

@@ -10,6 +10,7 @@ process, the admin endpoint or the management API noticing.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from cpgbroker.cluster.codec import STATUS_NAMES
@@ -123,6 +124,14 @@ class MemberStatus:
         if standby is None or (why := standby.refusal()) is None:
             return None
         return why, standby.greeting(cfg, self._node.broker.topology.member_urls)
+
+    def ring_stands_still(self) -> bool:
+        """Whether a client this member turns away should rather wait: a hot-standby backup
+        whose ring delivered nothing for as long as the primary's doubt takes (the primary may
+        be gone, and this member promoted in a moment)."""
+        node = self._node
+        after = node.replication.hold_clients_after()
+        return after is not None and time.monotonic() - node.multicast.cpg.last_delivery_at >= after
 
     def admin_refusal(self) -> str | None:
         """None when this member applies operators' changes; else why not (shipping changes,

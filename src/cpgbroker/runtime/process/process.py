@@ -53,6 +53,13 @@ from cpgbroker.runtime.update.giving import close_released
 
 log = logging.getLogger("cpgbroker.member")
 
+# A hot-standby backup holds a client it would turn away while the ring stands still, looking
+# again this often, at most this long (after that, or once the ring moves, it answers as
+# usual): the others promote one of theirs within about token + consensus of the ring
+# stopping, far less than a client's handshake timeout.
+HOLD_POLL = 0.02
+HOLD_LIMIT = 5.0
+
 
 async def reap_updaters(updates: dict[int, dict[str, Any]]) -> None:
     """Collect finished updater children (no threads: poll)."""
@@ -274,7 +281,7 @@ class MemberProcess:
             None if member is None else member.member,
         )
 
-    async def handle_client(self, stream: ClientStream) -> None:
+    async def handle_client(self, stream: ClientStream, held: bool = False) -> None:
         node, member = self.node, self.member
         if self.stop.is_set():
             await refuse(stream, "broker shutdown")
@@ -291,6 +298,20 @@ class MemberProcess:
             await refuse(stream, member.stop_text())
             return
         refusal = member.client_refusal(self.config.broker)
+        if refusal is not None and not held and member.ring_stands_still():
+            # A hot-standby backup while the ring stands still: the primary may be gone and
+            # this member promoted in a moment. Hold the client (it waits for connection.start)
+            # until the ring moves again, rather than send it round members that cannot serve
+            # it either (runtime/replication/standby.py, "Holding clients").
+            with trio.move_on_after(HOLD_LIMIT):
+                while (
+                    member is self.member
+                    and member.ring_stands_still()
+                    and member.client_refusal(self.config.broker) is not None
+                ):
+                    await trio.sleep(HOLD_POLL)
+            await self.handle_client(stream, held=True)
+            return
         if refusal is not None:
             # A hot-standby backup: the client is told where the primary is.
             self.refused += 1

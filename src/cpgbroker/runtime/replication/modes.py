@@ -127,6 +127,8 @@ class Replication(Protocol):
 
     def membership_changed(self, mine: Callable[[], bool]) -> None: ...
 
+    def hold_clients_after(self) -> float | None: ...
+
     def fork_update(
         self, updater: Updater, request: Any, members: list[list[Any]], stream: Broker
     ) -> None: ...
@@ -203,6 +205,10 @@ class ReplayingBytes:
 
     def membership_changed(self, mine: Callable[[], bool]) -> None:
         """No lease to renew."""
+
+    def hold_clients_after(self) -> float | None:
+        """A turned-away client is turned away at once."""
+        return None
 
     def fork_update(
         self, updater: Updater, request: Any, members: list[list[Any]], stream: Broker
@@ -379,6 +385,12 @@ class ShippingChanges:
             self._confirms.drop()
             why = self._standby.refusal() or "this member is no longer the hot-standby primary"
             io.force_close(why, "no longer primary")
+
+    def hold_clients_after(self) -> float | None:
+        """A backup holds a client it would turn away once the ring stood still this long (the
+        primary's heartbeats stopped as long as the primary's own doubt takes): this member
+        may be promoted in a moment (runtime/replication/standby.py, "Holding clients")."""
+        return None if self.shipping.active else self._lease.doubt_length
 
     def fork_update(
         self, updater: Updater, request: Any, members: list[list[Any]], stream: Broker

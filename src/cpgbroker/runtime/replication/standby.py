@@ -30,6 +30,15 @@ to wait for), and failover is one documented move.
 Should a primary find it is no longer the eldest ready member while it serves (a merge after a
 partition can reorder the membership), it closes its clients with 320 naming the new primary.
 
+**Holding clients** (shipping changes). While the primary's lease lapses it turns its clients
+away (runtime/member/lease.py), and until the others promote one of theirs a backup would turn
+them away too, naming the old primary: a client given every member's URL would go round them,
+pausing between rounds, and reach the new primary only at its next round after the promotion.
+So a backup whose ring delivered nothing for as long as the primary's doubt takes (the
+primary's heartbeats stopped) holds a client it would turn away: it accepts the connection and
+says nothing until the ring moves again or a few seconds pass (``Process.handle_client``),
+then serves it if the membership change made it primary, or turns it away as usual.
+
 Owns: whether this member was primary at the last look.
 """
 

@@ -117,6 +117,9 @@ class TrioCpg:
         # that late (a hot-standby primary's lease, runtime/member/lease.py).
         self._sent_at: collections.deque[float] = collections.deque()
         self.last_own_sent_at: float | None = None
+        # When corosync last delivered anything (time.monotonic()): a hot-standby backup holds
+        # a connecting client while the ring stands still (runtime/replication/standby.py).
+        self.last_delivery_at = time.monotonic()
         self._send_lock = trio.StrictFIFOLock()
         self._burst = 0
         # Held while a call runs in a worker thread: libcpg's IPC rings are not safe for
@@ -211,6 +214,7 @@ class TrioCpg:
                     return
                 continue
             self.stats.delivered += len(batch)
+            self.last_delivery_at = time.monotonic()
             if self._in_flight:
                 self._release_credit(batch)
             events.extend(batch)
