@@ -4,7 +4,7 @@ change that ends a lapse, and giving up when none comes."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import trio
@@ -13,6 +13,7 @@ import trio.testing
 from cpgbroker.corosync import cmap
 from cpgbroker.runtime.member import lease as lease_module
 from cpgbroker.runtime.member.lease import DOUBT_POLL, PrimaryLease, lease_length, verdict_wait
+from cpgbroker.runtime.replication import modes
 
 
 def test_the_lease_lapses_before_the_others_can_promote() -> None:
@@ -180,4 +181,79 @@ async def test_a_stall_shorter_than_the_lease_pauses_and_a_membership_change_end
         assert not lease.lapsed and doubts[-1][1] is False
         await trio.sleep(10)
         assert not gave_up and len(lapses) == 1, "renewed: no giving up, no second lapse"
+        nursery.cancel_scope.cancel()
+
+
+class _Output:
+    """What the lease does to a member's client output (``AmqpServer``)."""
+
+    def __init__(self) -> None:
+        self.paused = False
+        self.changes: list[bool] = []
+
+    def pause_output(self) -> None:
+        self.paused = True
+        self.changes.append(True)
+
+    def resume_output(self) -> None:
+        self.paused = False
+        self.changes.append(False)
+
+
+async def test_a_member_replaying_bytes_holds_its_output_from_the_lapse_to_a_membership_change(
+    monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Active-active: the lease lapses when our messages stop coming back; the member's output
+    is held (its clients stay connected) until a membership change keeps it in the cluster;
+    without one, the member gives up once, after the verdict wait."""
+    monkeypatch.setattr(
+        lease_module.cmap, "totem_timeouts", lambda netns: cmap.TotemTimeouts(1000, 1200)
+    )
+    monkeypatch.setattr(lease_module.time, "monotonic", trio.current_time)
+
+    async def in_this_thread(fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", in_this_thread)
+    monkeypatch.setattr(modes.time, "monotonic", trio.current_time)
+    sent: list[float | None] = [None]
+    ring_works = [True]
+    out = _Output()
+    gave_up: list[float] = []
+
+    def heartbeat() -> None:
+        if ring_works[0]:
+            sent[0] = trio.current_time()
+
+    sequencer = cast(Any, type("Sequencer", (), {"submit": None})())
+    rb = modes.ReplayingBytes(sequencer, lambda: 0, PrimaryLease(lambda: sent[0]), None)
+    rb.attach(
+        cast(Any, out),
+        cast(Any, None),
+        cast(Any, None),
+        stored=True,
+        on_cut=lambda: None,
+        heartbeat=heartbeat,
+        lapsed=lambda length: gave_up.append(length),
+        doubt=lambda doubting, length: None,
+        serving=lambda: True,
+    )
+    (task,) = rb.guarded_tasks()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(task)
+        await trio.sleep(10)
+        rb.membership_changed(lambda: False)
+        assert out.changes == [], "no lapse, nothing to renew"
+        ring_works[0] = False  # another member died: the ring stalls
+        await trio.sleep(2.0)
+        assert out.changes == [True], "held from the lapse (1.76 s) on"
+        ring_works[0] = True
+        rb.membership_changed(lambda: False)  # the ring re-formed without it
+        assert out.changes == [True, False] and not out.paused
+        await trio.sleep(10)
+        assert out.changes == [True, False] and not gave_up
+        ring_works[0] = False  # this member's corosync frozen: no verdict ever comes
+        await trio.sleep(6)
+        assert out.changes == [True, False, True] and out.paused
+        assert gave_up == [pytest.approx(4.4)], "gave up once, 2 x (token + consensus)"
         nursery.cancel_scope.cancel()

@@ -122,6 +122,8 @@ LOG_MARKS = (
     "hot-standby lease in doubt",
     "hot-standby lease lapsed",
     "hot-standby lease renewed",
+    "ring lease lapsed",
+    "ring lease renewed",
 )
 _LOG_TS = re.compile(r"^ts=(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)\.(\d{3})Z ")
 

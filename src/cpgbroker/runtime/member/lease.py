@@ -1,5 +1,6 @@
-"""A hot-standby primary's lease (``replication = "changes"``): it gives its clients up before the
-others can have promoted another primary.
+"""A member's lease on the ring. A hot-standby primary shipping changes gives its clients up
+before the others can have promoted another primary; a member replaying bytes holds its output
+once the others may have moved on without it.
 
 Theory of operation
 -------------------
@@ -61,6 +62,20 @@ ring's verdict:
   after a state update, whatever happened meanwhile: never again primary on the strength of its
   own messages coming back, which a corosync resumed after a freeze delivers before it reports
   that the others moved on without it.
+
+**Replaying bytes** (active-active, and hot standby with ``replication = "bytes"``). Every
+member applies the one stream, so a member cut off applies nothing, and writes nothing new,
+while the ring stands still. What it must not write is what it applies once its corosync
+resumes after a freeze: its own messages from before the freeze, which the others never
+received (they moved on without it), come back first, and a consumer of its own may be handed,
+as a first delivery, a message the others already gave to one of theirs. So every serving
+member holds a lease too (with the same heartbeats and length), and at the lapse it writes
+nothing more to any client (``AmqpServer.pause_output``; its clients stay connected): a
+membership change that keeps it in the cluster renews the lease and the kept output goes out;
+a merge it lost or an inquorate ring stops it, dropping what it kept; and no verdict within
+:data:`VERDICT` makes it stop as above. A member whose ring stalls because another one died
+lapses just the same and resumes at that membership change, having had nothing new to write
+meanwhile.
 
 Owns: the lease's length, its last grant and whether it lapsed. Never closes a client itself:
 the replication mode does at the lapse (``ShippingChanges``), the member when it gives up
@@ -197,6 +212,7 @@ class PrimaryLease:
         except Exception as e:  # a corosync without the keys: its defaults, said once
             log.warning("corosync timeouts unreadable (%s): lease of %.2f s", e, self.length)
         last = next_beat = time.monotonic()
+        held = False
         while True:
             every = self.length / HEARTBEATS
             await trio.sleep(DOUBT_POLL if self.doubting or self.lapsed else every)
@@ -207,10 +223,16 @@ class PrimaryLease:
             stalled = now - last > 2 * every
             last = now
             if not holding():
+                held = False
                 if self.doubting:  # no longer primary: the member closed its clients
                     self.doubting = False
                     on_doubt(False)
                 continue
+            if not held:
+                # Just started to hold it (ready, promoted): the ring works as of now.
+                held = True
+                if self.lapsed_at is None:
+                    self._granted_at = max(self._granted_at, now)
             lapsed_at = self.lapsed_at
             if lapsed_at is not None:
                 if now >= lapsed_at + self.verdict_wait:

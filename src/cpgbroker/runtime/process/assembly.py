@@ -119,6 +119,7 @@ def assemble(
         heartbeat=lambda: multicast.send_control(stream.report()),
         lapsed=node.lease_lapsed,
         doubt=node.lease_doubt,
+        serving=lambda: node.serving and node.halted is None,
     )
     return node
 
@@ -193,7 +194,14 @@ def _replication(
     cluster = config.cluster
     assert cluster is not None
     if cluster.replication != "changes":
-        return ReplayingBytes(multicast, stream.event_seq)
+        # Every member holds a lease: its output waits once the ring may have moved on
+        # without it (runtime/member/lease.py, "Replaying bytes").
+        return ReplayingBytes(
+            multicast,
+            stream.event_seq,
+            PrimaryLease(lambda: cpg.last_own_sent_at),
+            cluster.netns or None,
+        )
     # Shipping changes needs hot standby (the configuration says so).
     assert standby is not None
     shipping = Shipping(

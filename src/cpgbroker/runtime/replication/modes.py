@@ -97,6 +97,7 @@ class Replication(Protocol):
         heartbeat: Callable[[], None],
         lapsed: Callable[[float], None],
         doubt: Callable[[bool, float], None],
+        serving: Callable[[], bool] = ...,
     ) -> None: ...
 
     def tasks(self) -> list[Task]: ...
@@ -143,10 +144,22 @@ class ReplayingBytes:
 
     stream_ticks = True
 
-    def __init__(self, multicast: Sequencer, event_seq: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        multicast: Sequencer,
+        event_seq: Callable[[], int],
+        lease: Lease | None = None,
+        netns: str | None = None,
+    ) -> None:
         self.sequencer = multicast
         self.number = event_seq
         self.submit_admin = multicast.submit
+        self._lease = lease
+        self._netns = netns
+        self._io: AmqpServer | None = None
+        self._serving: Callable[[], bool] = lambda: False
+        self._heartbeat: Callable[[], None] = lambda: None
+        self._lapsed: Callable[[float], None] = lambda length: None
 
     def attach(
         self,
@@ -159,14 +172,47 @@ class ReplayingBytes:
         heartbeat: Callable[[], None],
         lapsed: Callable[[float], None],
         doubt: Callable[[bool, float], None],
+        serving: Callable[[], bool] = lambda: False,
     ) -> None:
-        """Nothing to keep: the stream carries the clients' events themselves."""
+        """Nothing to keep: the stream carries the clients' events themselves. The lease
+        (when given) holds this member's output once the ring may have moved on without it."""
+        self._io = io
+        self._serving, self._heartbeat, self._lapsed = serving, heartbeat, lapsed
 
     def tasks(self) -> list[Task]:
         return []
 
     def guarded_tasks(self) -> list[Task]:
-        return []
+        return [] if self._lease is None else [self._hold_lease]
+
+    async def _hold_lease(self) -> None:
+        """While this member serves: heartbeats, and its output held once no message of ours
+        came back for the lease's length (runtime/member/lease.py, "Replaying bytes")."""
+        lease = self._lease
+        assert lease is not None
+        await lease.run(
+            self._serving,
+            self._heartbeat,
+            self._hold_output,
+            self._netns,
+            lambda doubting: None,
+            lambda: self._lapsed(lease.length + lease.verdict_wait),
+        )
+
+    def _hold_output(self) -> None:
+        """The lease lapsed: the others may have moved on without this member, and what it
+        applies from now on may be its own messages a corosync resumed after a freeze delivers
+        before it reports that: write nothing more to any client until a membership change
+        keeps it in the cluster (runtime/member/lease.py, "Replaying bytes")."""
+        io, lease = self._io, self._lease
+        assert io is not None and lease is not None
+        log.error(
+            "ring lease lapsed: no message of ours came back through the ring for %.2f s, the "
+            "others may have moved on without this member: holding all client output until a "
+            "membership change keeps it in the cluster",
+            lease.length,
+        )
+        io.pause_output()
 
     @property
     def active(self) -> bool:
@@ -204,7 +250,17 @@ class ReplayingBytes:
         """Who takes clients changes nothing of how they are served."""
 
     def membership_changed(self, mine: Callable[[], bool]) -> None:
-        """No lease to renew."""
+        """A membership change was applied (it passed the quorum gate and was no merge lost):
+        this member is still in the cluster, and what it held may go out."""
+        lease, io = self._lease, self._io
+        if lease is None or io is None or not lease.lapsed:
+            return
+        lease.grant(time.monotonic())
+        log.warning(
+            "ring lease renewed by a membership change that keeps this member in the cluster: "
+            "writing the output it held"
+        )
+        io.resume_output()
 
     def hold_clients_after(self) -> float | None:
         """A turned-away client is turned away at once."""
@@ -260,6 +316,7 @@ class ShippingChanges:
         heartbeat: Callable[[], None],
         lapsed: Callable[[float], None],
         doubt: Callable[[bool, float], None],
+        serving: Callable[[], bool] = lambda: False,
     ) -> None:
         """``io``, ``confirms`` and ``desk`` are built on this seam; ``heartbeat`` renews the
         lease (a progress report of ours through the ring), ``doubt`` is told when the lease
