@@ -297,15 +297,17 @@ class ClusterNode:
             self.io.resume_output()
 
     def lease_lapsed(self, length: float) -> None:
-        """The lease lapsed and no membership change kept this member primary within
-        ``length`` of the ring stopping: another member may be primary by now. Stop serving
-        and come back as a backup (runtime/member/lease.py, "At the lapse")."""
+        """The lease lapsed and no membership change kept this member serving within
+        ``length`` of the ring stopping: the others may have moved on without it (another
+        member may be primary by now). Stop serving and rejoin through a state update: a
+        hot-standby primary comes back a backup (runtime/member/lease.py, "At the lapse")."""
         log.error(
-            "hot-standby lease lapsed and no membership change kept this member primary within "
-            "%.2f s: leaving the cluster to come back as a backup",
+            "ring lease lapsed and no membership change kept this member serving within "
+            "%.2f s: leaving the cluster to rejoin through a state update",
             length,
         )
-        self.suspend(f"hot-standby lease lapsed {length:.2f} s ago", LAPSED)
+        text = LAPSED if self.standby is not None else RESYNC_TEXT
+        self.suspend(f"ring lease lapsed {length:.2f} s ago", text)
 
     @property
     def serving(self) -> bool:
