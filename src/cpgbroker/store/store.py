@@ -118,6 +118,11 @@ class StoreSettings:
         metadata={"key": "free_disk_limit_mib", "scale": MiB},
         validator=_setting(lambda v: v >= 0, "must be 0 (off) or a positive integer"),
     )
+    # A test facility, off in production: record what each fsync made durable in
+    # ``sync-trace.log`` in the store directory (store/tracedisk.py), so that a test can put
+    # the directory of a killed process into a state a power cut could leave
+    # (dev/powercut.py). One short write per fsync. Each member's own: not cluster-wide.
+    sync_trace: bool = False
     # Cluster members only (the configuration refuses it without ``[cluster]``).
     # "all": after a whole-cluster stop the cluster resumes once all ``size`` members are back
     # (the freshest store among them); a confirm waits for the stores of the members that
@@ -494,7 +499,10 @@ class Store:
             self.snapshotting = (0, seq, name)
             self.snapshot_done(0, True)
             return
-        pid = self._fork(lambda: _write_snapshot(path, broker), f"store snapshot at event {seq}")
+        disk = self.disk
+        pid = self._fork(
+            lambda: _write_snapshot(disk, path, broker), f"store snapshot at event {seq}"
+        )
         self.snapshotting = (pid, seq, name)
         log.info("writing a store snapshot at event %d (child pid %d)", seq, pid)
 
@@ -631,5 +639,7 @@ def _ignore_error(_exc: OSError) -> None:
     return None
 
 
-def _write_snapshot(path: str, broker: Broker) -> None:
-    snapfile.write(OsDisk(), path, broker)
+def _write_snapshot(disk: Disk, path: str, broker: Broker) -> None:
+    # The store's own disk, not a fresh OsDisk: a tracing disk (tracedisk.py) must see the
+    # snapshot's sync, rename and directory sync too.
+    snapfile.write(disk, path, broker)

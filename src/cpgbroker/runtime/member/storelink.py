@@ -41,6 +41,7 @@ from cpgbroker.runtime.update import transfer as update
 from cpgbroker.store import meta, snapfile
 from cpgbroker.store.disk import StoreCorrupt, StoreError
 from cpgbroker.store.store import Recovery, Store, StoreMismatch, StoreSettings
+from cpgbroker.store.tracedisk import TracingDisk
 
 log = logging.getLogger("cpgbroker.store")
 
@@ -66,7 +67,9 @@ class Incarnation(Protocol):
 
 class StoreLink:
     def __init__(self, settings: StoreSettings, group: str) -> None:
-        self.store = Store(settings, group, fork=update.fork_child)
+        # A power-cut test's trace of what became durable (store/tracedisk.py), when asked.
+        disk = TracingDisk(settings.directory) if settings.sync_trace else None
+        self.store = Store(settings, group, fork=update.fork_child, disk=disk)
         self.node: Incarnation | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self.error: OSError | None = None
