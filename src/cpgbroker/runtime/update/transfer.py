@@ -56,8 +56,10 @@ MAX_PART = 256 * 1024 * 1024
 PROGRESS_EVERY_S = 2.0
 
 
-def _die_with_parent() -> None:
-    """PR_SET_PDEATHSIG: an updater child never outlives the member that forked it."""
+def _die_with_parent(parent: int) -> None:
+    """PR_SET_PDEATHSIG: an updater child never outlives the member that forked it. Set after
+    the fork, it misses a parent that died in between (the child would write a snapshot into a
+    directory a restarted member may use): so the parent is looked at once it is set."""
     try:
         import ctypes
 
@@ -65,6 +67,8 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):  # pragma: no cover - not Linux
         pass
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def fork_updater(
@@ -156,6 +160,7 @@ def fork_child(work: Callable[[], None], what: str, keep: int = -1) -> int:
     write) while the parent goes on at once; returns the child's pid. The child closes every
     inherited descriptor but ``keep`` (client sockets, the CPG connection: the parent's death
     or its clients' disconnects are never delayed by it) and dies with its parent."""
+    parent = os.getpid()
     pid = os.fork()
     if pid:
         return pid
@@ -165,7 +170,7 @@ def fork_child(work: Callable[[], None], what: str, keep: int = -1) -> int:
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
-        _die_with_parent()
+        _die_with_parent(parent)
         top = os.sysconf("SC_OPEN_MAX")
         if keep >= 3:
             os.closerange(3, keep)
