@@ -55,8 +55,12 @@ ring's verdict:
   removes us. It takes clients again (``hot-standby lease renewed``), about as soon as a member
   of an active-active cluster would serve again after the same stall;
 * a ring change that leaves it inquorate, or a merge lost, stops it as a lost quorum does;
+* a ring re-formed with the same members and no membership change (a corosync that stalled
+  past the token but not past the others' consensus): nobody moved on without it, and the
+  lease is renewed as above (a member cut off sees the others leave and come back in that
+  same ring change, and loses the merge before);
 * nothing decisive within :data:`VERDICT` of the detection time after the ring stopped (its
-  corosync frozen, or a ring re-formed with the same members, which renews nothing): it stops
+  corosync frozen): it stops
   serving for this incarnation (``ClusterNode.lease_lapsed``, ``ClusterNode.suspend``), leaves
   the group and joins again as a newcomer once its corosync answers. It so comes back a backup,
   after a state update, whatever happened meanwhile: never again primary on the strength of its

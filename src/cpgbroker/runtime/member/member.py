@@ -453,6 +453,7 @@ class ClusterNode:
                         on_event(e, sender)
                 elif t is RingChangeSameMembers:
                     log.info("ring re-formed with the same members ring=%s", ev.ring_id)  # type: ignore[union-attr]
+                    self.roster.on_ring_reformed()
                 else:
                     if gate is not None and gate.holds(ev):
                         # A ConfChg caused by a ring change precedes the TotemConfChg that

@@ -150,6 +150,14 @@ class Roster:
             # (After the quorum gate: a ring change reaches here only once known quorate.)
             self._replication.membership_changed(self._primary_here)
 
+    def on_ring_reformed(self) -> None:
+        """The ring re-formed with the same members and no one left or joined the group (a
+        member cut off would have seen the others leave and come back, and lost the merge
+        before this): nobody moved on without us, as a membership change that keeps us
+        would say (runtime/member/lease.py)."""
+        if not self._service.stopped:
+            self._replication.membership_changed(self._primary_here)
+
     def check_role(self) -> None:
         """The replication mode may change roles here (shipping changes: become primary when
         the stream says so, at the same point on every member, or stop serving)."""
