@@ -100,6 +100,16 @@ def _cut_all(dirs: list[Path], seed: int, keep: str) -> None:
         print(f"{d.name}: {done.summary()}")  # shown when the test fails
 
 
+def _check(confirmed: set[bytes], found: set[bytes], fsync: str, keep: str, lost: bool) -> None:
+    """Every confirmed message found, or (the control) some of them lost."""
+    missing = confirmed - found
+    print(f"fsync {fsync}, cut {keep}: {len(confirmed)} confirmed, {len(found)} found")
+    if lost:
+        assert missing, f"the control lost nothing of {len(confirmed)} confirmed"
+    else:
+        assert not missing, f"{len(missing)} of {len(confirmed)} confirmed messages lost"
+
+
 @pytest.mark.parametrize(
     ("fsync", "keep", "lost"),
     [("always", "random", False), ("never", "none", True)],
@@ -123,12 +133,7 @@ def test_a_power_cut_of_the_whole_cluster_loses_no_confirmed_message(
         bs.start(n)
     bs.wait_ready(members, timeout=90)
     found = _drain(connect(bs, 2).channel())
-    missing = confirmed - found
-    print(f"fsync {fsync}, cut {keep}: {len(confirmed)} confirmed, {len(found)} found")
-    if lost:
-        assert missing, f"the control lost nothing of {len(confirmed)} confirmed"
-    else:
-        assert not missing, f"{len(missing)} of {len(confirmed)} confirmed messages lost"
+    _check(confirmed, found, fsync, keep, lost)
     bs.converged(members)
 
 
@@ -158,9 +163,4 @@ def test_a_power_cut_of_a_standalone_broker_loses_no_confirmed_message(
         broker.close()
         for n in range(1, broker.starts + 1):  # shown when the test fails
             print(f"--- start {n}\n{(tmp_path / f'broker-{n}.log').read_text(errors='replace')}")
-    missing = confirmed - found
-    print(f"fsync {fsync}, cut {keep}: {len(confirmed)} confirmed, {len(found)} found")
-    if lost:
-        assert missing, f"the control lost nothing of {len(confirmed)} confirmed"
-    else:
-        assert not missing, f"{len(missing)} of {len(confirmed)} confirmed messages lost"
+    _check(confirmed, found, fsync, keep, lost)

@@ -16,6 +16,21 @@ from cpgbroker.runtime.member.lease import DOUBT_POLL, PrimaryLease, lease_lengt
 from cpgbroker.runtime.replication import modes
 
 
+@pytest.fixture
+def virtual_time(monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock) -> None:
+    """The lease on trio's virtual clock, with corosync's timeouts for token 1000 ms."""
+    monkeypatch.setattr(
+        lease_module.cmap, "totem_timeouts", lambda netns: cmap.TotemTimeouts(1000, 1200)
+    )
+    monkeypatch.setattr(lease_module.time, "monotonic", trio.current_time)
+    monkeypatch.setattr(modes.time, "monotonic", trio.current_time)
+
+    async def in_this_thread(fn: Any, *args: Any) -> Any:
+        return fn(*args)  # a worker thread's real time would race the virtual clock
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", in_this_thread)
+
+
 def test_the_lease_lapses_before_the_others_can_promote() -> None:
     # corosync's defaults for a 3-node cluster configured with token 1000 ms.
     t = cmap.TotemTimeouts(token_ms=1000, consensus_ms=1200)
@@ -48,20 +63,11 @@ def test_our_messages_coming_back_renew_it_and_silence_lapses_it() -> None:
 
 
 async def test_the_watcher_heartbeats_lapses_once_and_gives_up_without_a_verdict(
-    monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+    virtual_time: None, autojump_clock: trio.testing.MockClock
 ) -> None:
     """The task a primary runs: heartbeats while it holds the lease, the lapse once our
     messages stop coming back, then, with no membership change to renew it, giving up once
     (the member then stops serving: the task ends). On trio's virtual clock."""
-    monkeypatch.setattr(
-        lease_module.cmap, "totem_timeouts", lambda netns: cmap.TotemTimeouts(1000, 1200)
-    )
-    monkeypatch.setattr(lease_module.time, "monotonic", trio.current_time)
-
-    async def in_this_thread(fn: Any, *args: Any) -> Any:
-        return fn(*args)  # a worker thread's real time would race the virtual clock
-
-    monkeypatch.setattr(trio.to_thread, "run_sync", in_this_thread)
     sent: list[float | None] = [None]
     lease = PrimaryLease(lambda: sent[0])
     holding, ring_works = [True], [True]
@@ -119,21 +125,12 @@ def test_the_doubt_comes_before_the_lapse_and_both_before_the_others_can_promote
 
 
 async def test_a_stall_shorter_than_the_lease_pauses_and_a_membership_change_ends_a_lapse(
-    monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+    virtual_time: None, autojump_clock: trio.testing.MockClock
 ) -> None:
     """A ring stalled for less than the lease: output pauses once in doubt and resumes as
     soon as our messages come back, without a lapse. A longer stall (a backup's loss, about
     2.2 s): the lapse, then the membership change that keeps us primary renews the lease
     (``grant``) and the task goes on, heartbeats and all, without giving up."""
-    monkeypatch.setattr(
-        lease_module.cmap, "totem_timeouts", lambda netns: cmap.TotemTimeouts(1000, 1200)
-    )
-    monkeypatch.setattr(lease_module.time, "monotonic", trio.current_time)
-
-    async def in_this_thread(fn: Any, *args: Any) -> Any:
-        return fn(*args)
-
-    monkeypatch.setattr(trio.to_thread, "run_sync", in_this_thread)
     sent: list[float | None] = [None]
     lease = PrimaryLease(lambda: sent[0])
     ring_works = [True]
@@ -201,21 +198,11 @@ class _Output:
 
 
 async def test_a_member_replaying_bytes_holds_its_output_from_the_lapse_to_a_membership_change(
-    monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+    virtual_time: None, autojump_clock: trio.testing.MockClock
 ) -> None:
     """Active-active: the lease lapses when our messages stop coming back; the member's output
     is held (its clients stay connected) until a membership change keeps it in the cluster;
     without one, the member gives up once, after the verdict wait."""
-    monkeypatch.setattr(
-        lease_module.cmap, "totem_timeouts", lambda netns: cmap.TotemTimeouts(1000, 1200)
-    )
-    monkeypatch.setattr(lease_module.time, "monotonic", trio.current_time)
-
-    async def in_this_thread(fn: Any, *args: Any) -> Any:
-        return fn(*args)
-
-    monkeypatch.setattr(trio.to_thread, "run_sync", in_this_thread)
-    monkeypatch.setattr(modes.time, "monotonic", trio.current_time)
     sent: list[float | None] = [None]
     ring_works = [True]
     out = _Output()
