@@ -146,15 +146,18 @@ class Roster:
             self._checkpoints.members_changed(membership.ready_members)
             self._errorchecks.members_left(left)
         self.check_role()
-        if not self._service.stopped:
-            # (After the quorum gate: a ring change reaches here only once known quorate.)
-            self._replication.membership_changed(self._primary_here)
+        # (After the quorum gate: a ring change reaches here only once known quorate.)
+        self._kept_in_cluster()
 
     def on_ring_reformed(self) -> None:
         """The ring re-formed with the same members and no one left or joined the group (a
         member cut off would have seen the others leave and come back, and lost the merge
         before this): nobody moved on without us, as a membership change that keeps us
         would say (runtime/member/lease.py)."""
+        self._kept_in_cluster()
+
+    def _kept_in_cluster(self) -> None:
+        """The ring's verdict keeps this member in the cluster: a lapsed lease is renewed."""
         if not self._service.stopped:
             self._replication.membership_changed(self._primary_here)
 
